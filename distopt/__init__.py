@@ -1,0 +1,3 @@
+"""distopt: optimizers for parameters spread over torch.distributed.rpc workers."""
+
+__all__: list = []

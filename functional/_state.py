@@ -1,0 +1,151 @@
+"""Lossless conversion between a functional optimizer's state and torch.optim's state_dict.
+
+torch.optim's format is ``{"state": {index: {key: Tensor}}, "param_groups": [{..., "params":
+[index, ...]}]}``. A functional optimizer is one param group over its parameters, numbered in
+the order it was given them, and keeps its state under torch.optim's keys, so the conversion
+is a copy plus the hyper-parameters.
+"""
+import copy
+import inspect
+from typing import Any, Dict, List
+
+import torch
+from torch import Tensor
+
+_NOT_GROUP_KEYS = ("self", "params")
+
+
+def _instance(optim: Any) -> Any:
+    """The functional optimizer object (a Python copy sharing tensors, for a scripted one)."""
+    if isinstance(optim, torch.jit.ScriptModule):
+        return optim.optim
+    return optim
+
+
+def group_keys(torch_cls: type) -> List[str]:
+    """The hyper-parameter names torch.optim keeps in each param group for ``torch_cls``."""
+    sig = inspect.signature(torch_cls.__init__)
+    return [n for n in sig.parameters if n not in _NOT_GROUP_KEYS]
+
+
+def to_torch_state_dict(optim: Any, torch_cls: type) -> Dict[str, Any]:
+    """The state of ``optim`` as ``torch_cls().state_dict()`` would give it.
+
+    Args:
+        optim: a functional optimizer, or a module from ``script_optimizer``.
+        torch_cls: the torch.optim class whose format to produce.
+
+    Returns:
+        A new dict; state tensors are cloned, so later steps do not change it.
+    """
+    obj = _instance(optim)
+    group: Dict[str, Any] = {}
+    for key in group_keys(torch_cls):
+        if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
+            group[key] = obj.lr_tensor.clone()
+        else:
+            group[key] = copy.deepcopy(getattr(obj, key))
+    group["params"] = list(range(len(obj.params)))
+    state = {
+        int(i): {k: v.clone() for k, v in entry.items()} for i, entry in sorted(obj.state.items())
+    }
+    return {"state": state, "param_groups": [group]}
+
+
+def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any]) -> None:
+    """Raise ValueError naming the first difference between ``state_dict`` and ``optim``."""
+    obj = _instance(optim)
+    if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"Invalid state_dict: keys {got!r} (expected ['param_groups', 'state'])")
+    groups = state_dict["param_groups"]
+    if len(groups) != 1:
+        raise ValueError(f"Invalid state_dict: {len(groups)} param groups (expected 1)")
+    group = groups[0]
+    expected = set(group_keys(torch_cls)) | {"params"}
+    missing = sorted(expected - set(group))
+    if missing:
+        raise ValueError(
+            f"Invalid state_dict: param group lacks {missing!r}, so it is not a "
+            f"{torch_cls.__name__} state_dict"
+        )
+    n = len(obj.params)
+    if list(group["params"]) != list(range(n)):
+        raise ValueError(
+            f"Invalid state_dict: param group holds {len(group['params'])} parameters "
+            f"(expected {n}, numbered 0..{n - 1})"
+        )
+    for i, entry in state_dict["state"].items():
+        if not 0 <= int(i) < n:
+            raise ValueError(f"Invalid state_dict: state for parameter {i!r} (expected 0..{n - 1})")
+        p = obj.params[int(i)]
+        for key, value in entry.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(
+                    f"Invalid state_dict: state[{i}][{key!r}] is {type(value).__name__} "
+                    f"(expected a Tensor)"
+                )
+            if value.dim() > 0 and key != "step" and value.shape != p.shape and value.numel() > 1:
+                # Factored or per-row state (Adafactor's row_var / col_var) has its own shape.
+                if key in ("row_var", "col_var", "variance"):
+                    continue
+                raise ValueError(
+                    f"Invalid state_dict: state[{i}][{key!r}] has shape {tuple(value.shape)} "
+                    f"(expected {tuple(p.shape)}, the shape of parameter {i})"
+                )
+
+
+def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any]) -> None:
+    """Load a torch.optim-format state_dict into ``optim`` (eager or scripted).
+
+    Everything is checked before anything changes. Hyper-parameters that can change between
+    steps (lr, betas, ...) are taken from the state_dict; the others must already agree.
+
+    Raises:
+        ValueError: the state_dict is for another class, another parameter count or shapes,
+            or would change a hyper-parameter fixed at construction.
+    """
+    check_torch_state_dict(optim, torch_cls, state_dict)
+    obj = _instance(optim)
+    group = state_dict["param_groups"][0]
+    changes: Dict[str, List[float]] = {}
+    for key in group_keys(torch_cls):
+        new, old = group[key], getattr(obj, key)
+        if key == "lr" and isinstance(new, Tensor):
+            new = float(new.item())
+        if _same(new, old):
+            continue
+        if not _settable(obj, key):
+            raise ValueError(
+                f"Invalid state_dict: {key}={new!r} differs from this optimizer's {old!r} "
+                f"and cannot change after construction"
+            )
+        changes[key] = [float(x) for x in new] if isinstance(new, (tuple, list)) else [float(new)]
+    state: Dict[int, Dict[str, Tensor]] = {}
+    for i, entry in state_dict["state"].items():
+        p = obj.params[int(i)]
+        state[int(i)] = {
+            k: (v.detach().clone().to(torch.float32) if k == "step" else
+                v.detach().clone().to(device=p.device, dtype=p.dtype) if v.is_floating_point() else
+                v.detach().clone())
+            for k, v in entry.items()
+        }
+    for key, value in changes.items():
+        optim.set_hyperparameter(key, value)
+    optim.set_state(state)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _settable(obj: Any, key: str) -> bool:
+    try:
+        probe = copy.copy(obj)
+        value = getattr(obj, key)
+        probe.set_hyperparameter(key, [float(x) for x in value] if isinstance(value, tuple) else [float(value)])
+        return True
+    except (ValueError, TypeError, RuntimeError):
+        return False

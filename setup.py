@@ -1,0 +1,4 @@
+"""distopt: one distribution, two import packages (distopt, functional); see setup.cfg."""
+from setuptools import setup
+
+setup()
