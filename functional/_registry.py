@@ -1,0 +1,52 @@
+"""Which functional optimizer stands in for which torch.optim class."""
+import inspect
+from typing import Dict
+
+from functional._compile import ensure_scripted
+from functional.sgd import FunctionalSGD
+
+import torch
+
+#: torch.optim class -> functional class. Users add their own with
+#: ``register_functional_optimizer``.
+functional_optim_map: Dict[type, type] = {
+    torch.optim.SGD: FunctionalSGD,
+}
+
+_REQUIRED_METHODS = ("step", "step_param", "set_hyperparameter", "set_state")
+
+
+def register_functional_optimizer(optim_cls: type, functional_cls: type) -> None:
+    """Make ``functional_cls`` the compiled stand-in for ``optim_cls``.
+
+    The class is compiled with TorchScript here, so a class that cannot run GIL-free is
+    rejected at once rather than on some worker at the first step.
+
+    Args:
+        optim_cls: the class users pass (a torch.optim.Optimizer subclass or any class).
+        functional_cls: a class with ``__init__(params: List[Tensor], ...)`` and the methods
+            ``step(gradients)``, ``step_param(param, grad)``, ``set_hyperparameter(name,
+            value)`` and ``set_state(state)``, whose state is ``self.state``.
+
+    Raises:
+        TypeError: if either argument is not a class, a method is missing, or
+            ``functional_cls`` does not compile with TorchScript.
+    """
+    if not inspect.isclass(optim_cls):
+        raise TypeError(f"Invalid optim_cls: {optim_cls!r} (expected a class)")
+    if not inspect.isclass(functional_cls):
+        raise TypeError(f"Invalid functional_cls: {functional_cls!r} (expected a class)")
+    missing = [m for m in _REQUIRED_METHODS if not callable(getattr(functional_cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"Invalid functional_cls: {functional_cls.__name__} lacks {missing!r} "
+            f"(expected methods {list(_REQUIRED_METHODS)!r})"
+        )
+    try:
+        ensure_scripted(functional_cls)
+    except Exception as exc:  # TorchScript raises RuntimeError, NotSupportedError, OSError...
+        raise TypeError(
+            f"Invalid functional_cls: {functional_cls.__name__} does not compile with "
+            f"TorchScript: {exc}"
+        ) from exc
+    functional_optim_map[optim_cls] = functional_cls
