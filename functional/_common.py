@@ -9,7 +9,7 @@ parameters and state. Every ``step`` therefore stores the lists it passes to in-
 in the attribute ``self.live`` before the kernels run (an attribute write makes them escape)
 and resets it to ``no_lists()`` afterwards. The compiled parity tests catch a missing one.
 """
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,9 +33,51 @@ def check_gradients(params: List[Tensor], gradients: List[Optional[Tensor]]) -> 
                 )
             if g.dtype != p.dtype:
                 raise ValueError(
-                    f"Invalid gradients[{i}]: dtype {str(g.dtype)} (expected "
-                    f"{str(p.dtype)}, the dtype of params[{i}])"
+                    f"Invalid gradients[{i}]: dtype {dtype_name(g.dtype)} (expected "
+                    f"{dtype_name(p.dtype)}, the dtype of params[{i}])"
                 )
+
+
+def gather(
+    params: List[Tensor], gradients: List[Optional[Tensor]], groups: List[List[int]]
+) -> List[Tuple[List[int], List[Tensor]]]:
+    """Per (device, dtype) group: the indices and gradients of parameters that have one.
+
+    Checks every gradient first (as ``check_gradients``) so that a bad one raises before any
+    parameter changes; one pass over the list, the hot path of every ``step``.
+    """
+    if len(gradients) != len(params):
+        check_gradients(params, gradients)
+    batches: List[Tuple[List[int], List[Tensor]]] = []
+    for group in groups:
+        idx: List[int] = []
+        grads: List[Tensor] = []
+        for i in group:
+            g = gradients[i]
+            if g is not None:
+                if not g.is_same_size(params[i]) or g.dtype != params[i].dtype:
+                    check_gradients(params, gradients)
+                idx.append(i)
+                grads.append(g)
+        batches.append((idx, grads))
+    return batches
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``str(dtype)`` that also works in TorchScript, where a dtype is a bare integer."""
+    known = [
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.bool,
+    ]
+    names = [
+        "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int64",
+        "int32", "int16", "int8", "uint8", "bool",
+    ]
+    for k in range(len(known)):
+        if dtype == known[k]:
+            return "torch." + names[k]
+    return "dtype " + str(dtype)
 
 
 def index_of(params: List[Tensor], param: Tensor) -> int:
@@ -131,3 +173,42 @@ def use_fused_kernel(foreach: Optional[bool], fused: Optional[bool]) -> bool:
 def no_lists() -> List[List[Tensor]]:
     """An empty ``live`` list (see the TorchScript note in this module's docstring)."""
     return torch.jit.annotate(List[List[Tensor]], [])
+
+
+def fresh_step() -> Tensor:
+    """A fresh ``step`` state entry (0-dim float32 on the CPU) that TorchScript cannot share.
+
+    TorchScript limit (torch 2.13): ``torch.zeros((), dtype=...)`` (as in ``new_step``) has only
+    constant inputs, so the compiler folds it into ONE graph constant: in a compiled optimizer
+    every parameter's ``step`` (of every instance of the class) is then the same tensor, and a
+    foreach/fused increment adds 1 once per parameter to it. ``torch.empty`` is not folded.
+    """
+    return torch.empty((), dtype=torch.float32).zero_()
+
+
+def fresh_zeros_like(p: Tensor) -> Tensor:
+    """A new zero tensor shaped like ``p``, never shared with another state entry.
+
+    TorchScript limit (torch 2.13): common-subexpression elimination merges two
+    ``torch.zeros_like(p)`` calls in one method into one tensor, so two state entries made
+    that way (``square_avg`` and ``acc_delta``, say) would alias. Writing to the new tensor
+    keeps the compiler from merging it.
+    """
+    z = torch.empty_like(p)
+    z.zero_()
+    return z
+
+
+def new_step_like(param: Tensor) -> Tensor:
+    """``new_step()`` on ``param``'s device, safe to call from an inlined helper.
+
+    TorchScript limit: ``torch.zeros(())`` has only constant inputs, so constant propagation
+    can fold it into ONE tensor shared by every parameter and every call; taking the device
+    from ``param`` keeps each call's tensor its own.
+    """
+    return torch.zeros((), dtype=torch.float32, device=param.device)
+
+
+def new_scalar_like(param: Tensor, value: float) -> Tensor:
+    """A fresh 0-dim float32 state tensor holding ``value`` (``mu_product``), as ``new_step_like``."""
+    return torch.full((), value, dtype=torch.float32, device=param.device)

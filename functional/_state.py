@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 _NOT_GROUP_KEYS = ("self", "params")
+#: torch.optim classes whose ``step`` state is a Python int rather than a 0-dim tensor.
+_INT_STEP_CLASSES = ("SparseAdam",)
 
 
 def _instance(optim: Any) -> Any:
@@ -47,7 +49,8 @@ def to_torch_state_dict(optim: Any, torch_cls: type) -> Dict[str, Any]:
             group[key] = copy.deepcopy(getattr(obj, key))
     group["params"] = list(range(len(obj.params)))
     state = {
-        int(i): {k: v.clone() for k, v in entry.items()} for i, entry in sorted(obj.state.items())
+        int(i): {k: _to_torch_value(torch_cls, k, v) for k, v in entry.items()}
+        for i, entry in sorted(obj.state.items())
     }
     return {"state": state, "param_groups": [group]}
 
@@ -80,6 +83,7 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
             raise ValueError(f"Invalid state_dict: state for parameter {i!r} (expected 0..{n - 1})")
         p = obj.params[int(i)]
         for key, value in entry.items():
+            value = _from_torch_value(key, value)
             if not isinstance(value, Tensor):
                 raise ValueError(
                     f"Invalid state_dict: state[{i}][{key!r}] is {type(value).__name__} "
@@ -124,6 +128,7 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     state: Dict[int, Dict[str, Tensor]] = {}
     for i, entry in state_dict["state"].items():
         p = obj.params[int(i)]
+        entry = {k: _from_torch_value(k, v) for k, v in entry.items()}
         state[int(i)] = {
             k: (v.detach().clone().to(torch.float32) if k == "step" else
                 v.detach().clone().to(device=p.device, dtype=p.dtype) if v.is_floating_point() else
@@ -133,6 +138,20 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     for key, value in changes.items():
         optim.set_hyperparameter(key, value)
     optim.set_state(state)
+
+
+def _to_torch_value(torch_cls: type, key: str, value: Tensor) -> Any:
+    """A copy of one state entry in torch.optim's form (SparseAdam's ``step`` is an int)."""
+    if key == "step" and torch_cls.__name__ in _INT_STEP_CLASSES:
+        return int(value.item())
+    return value.clone()
+
+
+def _from_torch_value(key: str, value: Any) -> Any:
+    """A state entry as a functional optimizer keeps it: a Python number step becomes a tensor."""
+    if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float32)
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:

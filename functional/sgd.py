@@ -13,7 +13,7 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
-    check_gradients,
+    gather,
     group_by_device_dtype,
     index_of,
     lr_float,
@@ -137,10 +137,10 @@ class FunctionalSGD:
         Raises:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
         """
-        check_gradients(self.params, gradients)
+        batches = gather(self.params, gradients, self.groups)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
+            for idx, grads in batches:
                 # Split by whether a momentum buffer exists yet: the kernels treat a
                 # parameter's first momentum step differently (the buffer starts as g).
                 first_p: List[Tensor] = []
@@ -148,19 +148,19 @@ class FunctionalSGD:
                 later_p: List[Tensor] = []
                 later_g: List[Tensor] = []
                 later_b: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        p = self.params[i]
-                        if g.is_sparse:
-                            self._sparse_update(i, p, g, lr)
-                        elif self.momentum != 0.0 and i in self.state:
-                            later_p.append(p)
-                            later_g.append(g)
-                            later_b.append(self.state[i]["momentum_buffer"])
-                        else:
-                            first_p.append(p)
-                            first_g.append(g)
+                for k in range(len(idx)):
+                    i = idx[k]
+                    g = grads[k]
+                    p = self.params[i]
+                    if g.is_sparse:
+                        self._sparse_update(i, p, g, lr)
+                    elif self.momentum != 0.0 and i in self.state:
+                        later_p.append(p)
+                        later_g.append(g)
+                        later_b.append(self.state[i]["momentum_buffer"])
+                    else:
+                        first_p.append(p)
+                        first_g.append(g)
                 self.live = [first_p, later_p, later_b]
                 if self.use_fused:
                     self._fused_update(first_p, first_g, [], lr, True)

@@ -1,5 +1,5 @@
 """Every functional optimizer equals torch.optim, eager and compiled, option by option."""
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -10,30 +10,41 @@ from .case import Case
 from .cases import ALL_CASES
 
 RTOL, ATOL = 1e-5, 1e-6
-LR_CHANGE_STEP = 6
+SCHEDULE_STEP = 6
 
 
 def _clone(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
     return [None if g is None else g.clone() for g in grads]
 
 
-def _new_lr(case: Case) -> float:
-    lr = case.kwargs.get("lr", case.torch_cls.__init__.__defaults__[0])
-    return float(lr) * 0.5
+def _schedule(ref_opt: torch.optim.Optimizer) -> Dict[str, List[float]]:
+    """What a scheduler might change mid-training: lr always; momentum, weight_decay and
+    beta1 where the optimizer has them and they are non-zero."""
+    group = ref_opt.param_groups[0]
+    changes = {"lr": [float(group["lr"]) * 0.5]}
+    for key in ("momentum", "weight_decay"):
+        if isinstance(group.get(key), float) and group[key] != 0.0:
+            changes[key] = [group[key] * 0.5]
+    if "betas" in group and all(isinstance(b, float) for b in group["betas"]):
+        changes["betas"] = [group["betas"][0] * 0.9, group["betas"][1]]
+    return changes
+
+
+def _apply_to_torch(ref_opt: torch.optim.Optimizer, changes: Dict[str, List[float]]) -> None:
+    for group in ref_opt.param_groups:
+        for key, value in changes.items():
+            if key == "lr" and isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(value[0])
+            elif key == "betas":
+                group["betas"] = tuple(value)
+            else:
+                group[key] = value[0]
 
 
 def _torch_step(opt: torch.optim.Optimizer, params, grads) -> None:
     for p, g in zip(params, grads):
         p.grad = g
     opt.step()
-
-
-def _set_torch_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
 
 
 def _make(case: Case, params, compiled: bool) -> Any:
@@ -49,14 +60,17 @@ def _assert_close(actual, expected, what: str) -> None:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
 def test_matches_torch_optim(case: Case, compiled: bool) -> None:
+    """Steps with None gradients interspersed, and hyper-parameters changed half-way."""
     ref = [p.requires_grad_() for p in case.make_params()]
     mine = [p.requires_grad_() for p in case.make_params()]
     ref_opt = case.torch_cls(ref, **case.torch_kwargs_copy())
     opt = _make(case, mine, compiled)
     for step in range(case.steps):
-        if step == LR_CHANGE_STEP:
-            _set_torch_lr(ref_opt, _new_lr(case))
-            opt.set_hyperparameter("lr", [_new_lr(case)])
+        if step == SCHEDULE_STEP:
+            changes = _schedule(ref_opt)
+            _apply_to_torch(ref_opt, changes)
+            for key, value in changes.items():
+                opt.set_hyperparameter(key, value)
         grads = case.make_gradients(step)
         _torch_step(ref_opt, ref, _clone(grads))
         opt.step(_clone(grads))
