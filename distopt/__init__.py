@@ -1,3 +1,8 @@
 """distopt: optimizers for parameters spread over torch.distributed.rpc workers."""
+from distopt.errors import DistributedOptimizerError
+from distopt.optimizer import DistributedOptimizer
 
-__all__: list = []
+__all__ = [
+    "DistributedOptimizer",
+    "DistributedOptimizerError",
+]

@@ -136,8 +136,13 @@ def unknown_hyperparameter(cls_name: str, name: str, known: List[str]) -> str:
 
 
 def new_step() -> Tensor:
-    """A fresh ``step`` state entry: a 0-dim float32 tensor, as torch.optim keeps it."""
-    return torch.zeros((), dtype=torch.float32)
+    """A fresh ``step`` state entry: a 0-dim float32 tensor, as torch.optim keeps it.
+
+    TorchScript limit (torch 2.13): ``torch.zeros((), dtype=...)`` has only constant inputs,
+    so the compiler folds it into ONE graph constant shared by every parameter of every
+    instance; ``torch.empty(...).zero_()`` is not folded.
+    """
+    return torch.empty((), dtype=torch.float32).zero_()
 
 
 def lr_of(lr: float, lr_tensor: Optional[Tensor]) -> float:
@@ -175,17 +180,6 @@ def no_lists() -> List[List[Tensor]]:
     return torch.jit.annotate(List[List[Tensor]], [])
 
 
-def fresh_step() -> Tensor:
-    """A fresh ``step`` state entry (0-dim float32 on the CPU) that TorchScript cannot share.
-
-    TorchScript limit (torch 2.13): ``torch.zeros((), dtype=...)`` (as in ``new_step``) has only
-    constant inputs, so the compiler folds it into ONE graph constant: in a compiled optimizer
-    every parameter's ``step`` (of every instance of the class) is then the same tensor, and a
-    foreach/fused increment adds 1 once per parameter to it. ``torch.empty`` is not folded.
-    """
-    return torch.empty((), dtype=torch.float32).zero_()
-
-
 def fresh_zeros_like(p: Tensor) -> Tensor:
     """A new zero tensor shaped like ``p``, never shared with another state entry.
 
@@ -199,16 +193,9 @@ def fresh_zeros_like(p: Tensor) -> Tensor:
     return z
 
 
-def new_step_like(param: Tensor) -> Tensor:
-    """``new_step()`` on ``param``'s device, safe to call from an inlined helper.
-
-    TorchScript limit: ``torch.zeros(())`` has only constant inputs, so constant propagation
-    can fold it into ONE tensor shared by every parameter and every call; taking the device
-    from ``param`` keeps each call's tensor its own.
-    """
-    return torch.zeros((), dtype=torch.float32, device=param.device)
-
-
 def new_scalar_like(param: Tensor, value: float) -> Tensor:
-    """A fresh 0-dim float32 state tensor holding ``value`` (``mu_product``), as ``new_step_like``."""
+    """A fresh 0-dim float32 state tensor holding ``value`` (``mu_product``).
+
+    Taking the device from ``param`` keeps TorchScript from folding it into a constant.
+    """
     return torch.full((), value, dtype=torch.float32, device=param.device)

@@ -3,7 +3,19 @@ import inspect
 from typing import Dict
 
 from functional._compile import ensure_scripted
+from functional.adadelta import FunctionalAdadelta
+from functional.adafactor import FunctionalAdafactor
+from functional.adagrad import FunctionalAdagrad
+from functional.adam import FunctionalAdam, FunctionalAdamW
+from functional.adamax import FunctionalAdamax
+from functional.asgd import FunctionalASGD
+from functional.muon import FunctionalMuon
+from functional.nadam import FunctionalNAdam
+from functional.radam import FunctionalRAdam
+from functional.rmsprop import FunctionalRMSprop
+from functional.rprop import FunctionalRprop
 from functional.sgd import FunctionalSGD
+from functional.sparse_adam import FunctionalSparseAdam
 
 import torch
 
@@ -11,6 +23,19 @@ import torch
 #: ``register_functional_optimizer``.
 functional_optim_map: Dict[type, type] = {
     torch.optim.SGD: FunctionalSGD,
+    torch.optim.Adam: FunctionalAdam,
+    torch.optim.AdamW: FunctionalAdamW,
+    torch.optim.Adagrad: FunctionalAdagrad,
+    torch.optim.Adadelta: FunctionalAdadelta,
+    torch.optim.Adamax: FunctionalAdamax,
+    torch.optim.RMSprop: FunctionalRMSprop,
+    torch.optim.Rprop: FunctionalRprop,
+    torch.optim.NAdam: FunctionalNAdam,
+    torch.optim.RAdam: FunctionalRAdam,
+    torch.optim.ASGD: FunctionalASGD,
+    torch.optim.Adafactor: FunctionalAdafactor,
+    torch.optim.SparseAdam: FunctionalSparseAdam,
+    torch.optim.Muon: FunctionalMuon,
 }
 
 _REQUIRED_METHODS = ("step", "step_param", "set_hyperparameter", "set_state")

@@ -1,0 +1,83 @@
+"""What goes wrong on owners, and how the trainer reports it: one error naming every worker."""
+import dataclasses
+import logging
+import pickle
+from typing import Dict, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedOptimizerError(RuntimeError):
+    """One or more workers failed to create or step their local optimizer.
+
+    The message has one line per failing worker, ``<worker>: <remote message>``; the same
+    pairs are in ``failures``. The first worker's exception is chained as ``__cause__``.
+
+    Args:
+        message: the whole message.
+        failures: worker name -> that worker's one-line message.
+    """
+
+    def __init__(self, message: str, failures: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.failures: Dict[str, str] = dict(failures or {})
+
+    def __reduce__(self) -> Tuple[type, Tuple[str, Dict[str, str]]]:
+        # Keep ``failures`` when the error itself crosses an RPC (a trainer run remotely).
+        return (type(self), (str(self), self.failures))
+
+
+def compose_error(action: str, failures: Dict[str, str]) -> DistributedOptimizerError:
+    """The error for ``failures`` (worker name -> message), e.g. action ``"step"``."""
+    lines = [f"DistributedOptimizer {action} failed on {len(failures)} worker(s):"]
+    lines.extend(f"  {worker}: {message}" for worker, message in failures.items())
+    return DistributedOptimizerError("\n".join(lines), failures)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` for ``exc``, its message folded onto one line."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def transport_message(exc: BaseException) -> str:
+    """One line for an exception from an RPC future that the owner's code did not return.
+
+    RPC folds an exception raised on the callee into ``On WorkerInfo(...):``, its repr and
+    its traceback; the traceback's last line is the ``Type: message`` wanted here.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("On WorkerInfo("):
+        return lines[-1]
+    return one_line(exc)
+
+
+@dataclasses.dataclass
+class RemoteFailure:
+    """An owner's failure, returned (not raised) over RPC so that its message arrives intact.
+
+    An exception raised in an RPC function reaches the caller with the owner's traceback
+    folded into its message; returning this instead keeps the message exact.
+
+    Attributes:
+        message: ``Type: message`` on one line.
+        exception: the owner's exception itself when it survives pickling, else None.
+    """
+
+    message: str
+    exception: Optional[BaseException] = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> "RemoteFailure":
+        """Describe ``exc``; called on the owner inside an ``except`` block."""
+        logger.debug("local optimizer failed", exc_info=exc)
+        kept: Optional[BaseException] = None
+        try:
+            kept = pickle.loads(pickle.dumps(exc))
+        except Exception:  # some exception classes cannot be rebuilt from their args
+            kept = None
+        return cls(one_line(exc), kept)
+
+    def as_exception(self) -> BaseException:
+        """The owner's exception, or a RuntimeError carrying its message."""
+        return self.exception if self.exception is not None else RuntimeError(self.message)

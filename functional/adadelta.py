@@ -1,0 +1,191 @@
+"""Adadelta (steps scaled by running RMS of updates over gradients), as torch.optim.Adadelta."""
+from typing import Dict, List, Optional, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import check_at_least, check_in_range, check_lr, check_params
+from functional._common import (
+    check_gradients,
+    new_step,
+    fresh_zeros_like,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    no_lists,
+    one_gradient,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+class FunctionalAdadelta:
+    r"""Adadelta with weight decay, taking gradients as a list.
+
+    Same arguments, defaults, state (``step``, ``square_avg``, ``acc_delta``) and results as
+    :class:`torch.optim.Adadelta`. With gradient :math:`g_t`, weight decay :math:`\lambda`,
+    decay rate :math:`\rho` and learning rate :math:`\gamma`:
+
+    .. math::
+        g_t &\leftarrow g_t + \lambda \theta_{t-1} \\
+        v_t &= \rho v_{t-1} + (1 - \rho) g_t^2 \\
+        \Delta_t &= \frac{\sqrt{u_{t-1} + \epsilon}}{\sqrt{v_t + \epsilon}} g_t \\
+        u_t &= \rho u_{t-1} + (1 - \rho) \Delta_t^2 \\
+        \theta_t &= \theta_{t-1} - \gamma \Delta_t
+
+    Every step runs on the foreach kernels (torch has no fused Adadelta); sparse gradients
+    are rejected, as torch.optim rejects them.
+
+    Args:
+        params: the parameters to update, in the order gradients will be given.
+        lr: factor applied to each update (a float or a 1-element Tensor).
+        rho: decay rate of the running averages.
+        eps: term added inside the square roots for numerical stability.
+        weight_decay: L2 penalty.
+        foreach: accepted for compatibility; the foreach kernels are always used.
+        capturable: accepted for compatibility (CUDA-graph capture has no CPU meaning).
+        maximize: maximize the objective instead of minimizing it.
+        differentiable: accepted for compatibility; steps never record autograd history.
+
+    Raises:
+        ValueError: for a negative lr, eps or weight_decay, or rho outside [0, 1].
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 1.0,
+        rho: float = 0.9,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        maximize: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalAdadelta)
+            check_params(params)
+            check_lr(lr)
+            check_in_range("rho", rho, 0.0, 1.0, False)
+            check_at_least("eps", eps, 0.0)
+            check_at_least("weight_decay", weight_decay, 0.0)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.rho = float(rho)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.foreach = foreach
+        self.capturable = capturable
+        self.maximize = maximize
+        self.differentiable = differentiable
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, rho, eps, weight_decay).
+
+        Values are lists so that every class shares the signature (pairs take two).
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "rho":
+            self.rho = scalar(name, value)
+        elif name == "eps":
+            self.eps = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
+        else:
+            raise ValueError(
+                unknown_hyperparameter("Adadelta", name, ["lr", "rho", "eps", "weight_decay"])
+            )
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient.
+        """
+        check_gradients(self.params, gradients)
+        lr = lr_of(self.lr, self.lr_tensor)
+        with torch.no_grad():
+            for group in self.groups:
+                params: List[Tensor] = []
+                grads: List[Tensor] = []
+                square_avgs: List[Tensor] = []
+                acc_deltas: List[Tensor] = []
+                steps: List[Tensor] = []
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if g.is_sparse:
+                            raise RuntimeError("Adadelta does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i)
+                        state = self.state[i]
+                        params.append(self.params[i])
+                        grads.append(g)
+                        square_avgs.append(state["square_avg"])
+                        acc_deltas.append(state["acc_delta"])
+                        steps.append(state["step"])
+                self.live = [params, square_avgs, acc_deltas, steps]
+                self._foreach_update(params, grads, square_avgs, acc_deltas, steps, lr)
+            self.live = no_lists()
+
+    def _init_state(self, i: int) -> None:
+        p = self.params[i]
+        self.state[i] = {
+            "step": new_step(),
+            "square_avg": fresh_zeros_like(p),
+            "acc_delta": fresh_zeros_like(p),
+        }
+
+    def _foreach_update(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        square_avgs: List[Tensor],
+        acc_deltas: List[Tensor],
+        steps: List[Tensor],
+        lr: float,
+    ) -> None:
+        if len(params) == 0:
+            return
+        rho = self.rho
+        torch._foreach_add_(steps, 1.0)
+        if self.maximize:
+            grads = torch._foreach_neg(grads)
+        if self.weight_decay != 0.0:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        torch._foreach_mul_(square_avgs, rho)
+        torch._foreach_addcmul_(square_avgs, grads, grads, value=1.0 - rho)
+        std = torch._foreach_add(square_avgs, self.eps)
+        torch._foreach_sqrt_(std)
+        deltas = torch._foreach_add(acc_deltas, self.eps)
+        torch._foreach_sqrt_(deltas)
+        torch._foreach_div_(deltas, std)
+        torch._foreach_mul_(deltas, grads)
+        torch._foreach_mul_(acc_deltas, rho)
+        torch._foreach_addcmul_(acc_deltas, deltas, deltas, value=1.0 - rho)
+        torch._foreach_add_(params, deltas, alpha=-lr)

@@ -1,0 +1,289 @@
+"""Adafactor (factored second moments, relative step size), as torch.optim.Adafactor."""
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import (
+    check_at_least,
+    check_at_most,
+    check_lr,
+    check_optional_eps_pair,
+    check_params,
+)
+from functional._common import (
+    check_gradients,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    new_step,
+    no_lists,
+    one_gradient,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+def machine_epsilon(dtype: torch.dtype) -> float:
+    """``torch.finfo(dtype).eps`` for the floating dtypes (``torch.finfo`` is not scriptable)."""
+    if dtype == torch.float64:
+        return 2.220446049250313e-16
+    if dtype == torch.float16:
+        return 0.0009765625
+    if dtype == torch.bfloat16:
+        return 0.0078125
+    return 1.1920928955078125e-07
+
+
+class FunctionalAdafactor:
+    r"""Adafactor: Adam-like steps whose second moment is kept as row and column factors.
+
+    Same arguments, defaults, state (``step``; ``row_var`` and ``col_var`` for parameters with
+    two or more dimensions, factored over the last two; ``variance`` for vectors and scalars)
+    and results as :class:`torch.optim.Adafactor`. It needs memory proportional to the rows
+    plus the columns of a matrix instead of its size. With gradient :math:`G_t`, learning rate
+    :math:`\gamma`, :math:`\tau` = ``beta2_decay``, :math:`(\epsilon_1, \epsilon_2)` = ``eps``,
+    clipping threshold :math:`d` and weight decay :math:`\lambda`:
+
+    .. math::
+        \hat\beta_{2,t} &= 1 - t^{\tau}, \quad \rho_t = \min(\gamma, 1/\sqrt{t}), \quad
+            \alpha_t = \max(\epsilon_2, \mathrm{RMS}(\theta_{t-1})) \rho_t \\
+        \theta_{t-1} &\leftarrow (1 - \gamma\lambda) \theta_{t-1} \\
+        R_t &= \hat\beta_{2,t} R_{t-1} + (1 - \hat\beta_{2,t}) \mathrm{mean}_{-1}(G_t^2), \quad
+        C_t = \hat\beta_{2,t} C_{t-1} + (1 - \hat\beta_{2,t}) \mathrm{mean}_{-2}(G_t^2) \\
+        \hat V_t &= R_t C_t / \max(\mathrm{mean}_{-2}(R_t), \epsilon_1)
+            \text{ (or } V_t = \hat\beta_{2,t} V_{t-1} + (1 - \hat\beta_{2,t}) G_t^2
+            \text{ for vectors)} \\
+        U_t &= G_t / \sqrt{\max(\hat V_t, \epsilon_1^2)}, \quad
+        \theta_t = \theta_{t-1} - \alpha_t U_t / \max(1, \mathrm{RMS}(U_t) / d)
+
+    :math:`\epsilon_1` = None means the machine epsilon of the first updated parameter's
+    dtype, as in torch.optim. Every step runs on ``torch._foreach_*`` kernels (torch.optim
+    uses them only with ``foreach=True``; its per-tensor loop computes the same values).
+
+    Args:
+        params: the parameters to update, in the order gradients will be given.
+        lr: upper bound of the relative step size and weight-decay factor (a float or a
+            1-element Tensor).
+        beta2_decay: exponent of the step in the second-moment decay rate, <= 0.
+        eps: (epsilon1, epsilon2): the variance floor (None: the dtype's machine epsilon)
+            and the smallest parameter scale.
+        d: clipping threshold of the update's RMS.
+        weight_decay: decoupled weight decay coefficient (multiplied by lr).
+        foreach: accepted for compatibility; the foreach kernels are always used.
+        maximize: maximize the objective instead of minimizing it.
+
+    Raises:
+        ValueError: for a negative lr, epsilon or weight_decay, a positive beta2_decay or
+            d < 1.
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: Tuple[Optional[float], float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalAdafactor)
+            check_params(params)
+            check_lr(lr)
+            check_at_most("beta2_decay", beta2_decay, 0.0)
+            check_optional_eps_pair(eps)
+            check_at_least("d", d, 1.0)
+            check_at_least("weight_decay", weight_decay, 0.0)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.beta2_decay = float(beta2_decay)
+        self.eps: Tuple[Optional[float], float] = (eps[0], float(eps[1]))
+        self.d = float(d)
+        self.weight_decay = float(weight_decay)
+        self.foreach = foreach
+        self.maximize = maximize
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, beta2_decay, eps, d, weight_decay).
+
+        Values are lists so that every class shares the signature. ``eps`` takes two values
+        (epsilon1, epsilon2), or one value, epsilon2, which sets epsilon1 to None.
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "beta2_decay":
+            self.beta2_decay = scalar(name, value)
+        elif name == "eps":
+            if len(value) == 1:
+                self.eps = (None, value[0])
+            elif len(value) == 2:
+                self.eps = (value[0], value[1])
+            else:
+                raise ValueError(f"Invalid eps: {value} (expected one or two values)")
+        elif name == "d":
+            self.d = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
+        else:
+            raise ValueError(
+                unknown_hyperparameter(
+                    "Adafactor", name, ["lr", "beta2_decay", "eps", "d", "weight_decay"]
+                )
+            )
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient or a complex parameter (as torch.optim).
+        """
+        check_gradients(self.params, gradients)
+        lr = lr_of(self.lr, self.lr_tensor)
+        eps1 = self._epsilon1(gradients)
+        with torch.no_grad():
+            for group in self.groups:
+                # Factored (>= 2 dims) and unfactored parameters take different kernels.
+                mat_p: List[Tensor] = []
+                mat_g: List[Tensor] = []
+                mat_r: List[Tensor] = []
+                mat_c: List[Tensor] = []
+                mat_s: List[Tensor] = []
+                vec_p: List[Tensor] = []
+                vec_g: List[Tensor] = []
+                vec_v: List[Tensor] = []
+                vec_s: List[Tensor] = []
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        p = self.params[i]
+                        if p.is_complex():
+                            raise RuntimeError("Adafactor does not support complex parameters")
+                        if g.is_sparse:
+                            raise RuntimeError("Adafactor does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i, g)
+                        entry = self.state[i]
+                        if g.dim() > 1:
+                            mat_p.append(p)
+                            mat_g.append(g)
+                            mat_r.append(entry["row_var"])
+                            mat_c.append(entry["col_var"])
+                            mat_s.append(entry["step"])
+                        else:
+                            vec_p.append(p)
+                            vec_g.append(g)
+                            vec_v.append(entry["variance"])
+                            vec_s.append(entry["step"])
+                self.live = [mat_p, mat_r, mat_c, mat_s, vec_p, vec_v, vec_s]
+                self._update(mat_p, mat_g, mat_r, mat_c, mat_s, lr, eps1, True)
+                self._update(vec_p, vec_g, vec_v, vec_v, vec_s, lr, eps1, False)
+            self.live = no_lists()
+
+    def _init_state(self, i: int, grad: Tensor) -> None:
+        if grad.dim() > 1:
+            row_shape = list(grad.shape)
+            row_shape[-1] = 1
+            col_shape = list(grad.shape)
+            col_shape[-2] = 1
+            self.state[i] = {
+                "step": new_step(),
+                "row_var": grad.new_zeros(row_shape),
+                "col_var": grad.new_zeros(col_shape),
+            }
+        else:
+            self.state[i] = {"step": new_step(), "variance": torch.zeros_like(grad)}
+
+    def _epsilon1(self, gradients: List[Optional[Tensor]]) -> float:
+        # torch.optim resolves eps1=None once per step, from the first parameter it updates.
+        eps1 = self.eps[0]
+        if eps1 is not None:
+            return eps1
+        for i in range(len(gradients)):
+            if gradients[i] is not None:
+                return machine_epsilon(self.params[i].dtype)
+        return 0.0
+
+    def _update(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        first: List[Tensor],
+        second: List[Tensor],
+        steps: List[Tensor],
+        lr: float,
+        eps1: float,
+        factored: bool,
+    ) -> None:
+        # ``first``/``second`` are row_var/col_var when factored, else both the variance.
+        if len(params) == 0:
+            return
+        if self.maximize:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(steps, 1.0)
+        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+        decays: List[Union[int, float, complex]] = []
+        alphas: List[float] = []
+        for j in range(len(params)):
+            t = float(steps[j].item())
+            decays.append(t ** self.beta2_decay)
+            rho = min(lr, 1.0 / (t ** 0.5))
+            p = params[j]
+            rms = float(torch.linalg.vector_norm(p, 2.0).item()) / (p.numel() ** 0.5)
+            alphas.append(max(self.eps[1], rms) * rho)
+        if self.weight_decay != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
+        if factored:
+            row_sizes: List[Union[int, float, complex]] = [g.size(-1) for g in grads]
+            col_sizes: List[Union[int, float, complex]] = [g.size(-2) for g in grads]
+            row_means = [torch.linalg.vector_norm(g, 2.0, [-1], True) for g in grads]
+            torch._foreach_mul_(row_means, row_means)
+            torch._foreach_div_(row_means, row_sizes)
+            torch._foreach_lerp_(first, row_means, decays)
+            col_means = [torch.linalg.vector_norm(g, 2.0, [-2], True) for g in grads]
+            torch._foreach_mul_(col_means, col_means)
+            torch._foreach_div_(col_means, col_sizes)
+            torch._foreach_lerp_(second, col_means, decays)
+            estimates = [torch.matmul(first[j], second[j]) for j in range(len(params))]
+            row_var_means = [r.mean(dim=-2, keepdim=True) for r in first]
+            torch._foreach_clamp_min_(row_var_means, eps1)
+            torch._foreach_div_(estimates, row_var_means)
+        else:
+            squares = torch._foreach_mul(grads, grads)
+            torch._foreach_lerp_(first, squares, decays)
+            estimates = [v.clone() for v in first]
+        torch._foreach_clamp_min_(estimates, eps1 * eps1)
+        torch._foreach_rsqrt_(estimates)
+        torch._foreach_mul_(estimates, grads)
+        scales: List[Union[int, float, complex]] = []
+        for j in range(len(params)):
+            u = estimates[j]
+            u_rms = float(torch.linalg.vector_norm(u, 2.0).item()) / ((u.numel() ** 0.5) * self.d)
+            scales.append(-alphas[j] / max(1.0, u_rms))
+        torch._foreach_mul_(estimates, scales)
+        torch._foreach_add_(params, estimates)

@@ -1,0 +1,192 @@
+"""Adamax (Adam with the infinity norm), as torch.optim.Adamax."""
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import check_at_least, check_betas, check_lr, check_params
+from functional._common import (
+    check_gradients,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    new_step,
+    no_lists,
+    one_gradient,
+    pair,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+class FunctionalAdamax:
+    r"""Adamax, taking gradients as a list.
+
+    Same arguments, defaults (``lr=2e-3``), state (``step``, ``exp_avg``, ``exp_inf``) and
+    results as :class:`torch.optim.Adamax`. With gradient :math:`g_t`, weight decay
+    :math:`\lambda`, betas :math:`\beta_1, \beta_2` and learning rate :math:`\gamma`:
+
+    .. math::
+        g_t &\leftarrow g_t + \lambda \theta_{t-1} \\
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t \\
+        u_t &= \max(\beta_2 u_{t-1}, |g_t| + \epsilon) \\
+        \theta_t &= \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \frac{m_t}{u_t}
+
+    torch has no fused Adamax kernel; steps run on the foreach kernels.
+
+    Args:
+        params: the parameters to update, in the order gradients will be given.
+        lr: learning rate (a float or a 1-element Tensor).
+        betas: coefficients of the running average of the gradient and of the decay of the
+            infinity norm.
+        eps: term added to the infinity norm for numerical stability.
+        weight_decay: L2 penalty.
+        foreach: accepted for compatibility; the foreach kernels are always used.
+        maximize: maximize the objective instead of minimizing it.
+        differentiable: accepted for compatibility; steps never record autograd history.
+        capturable: accepted for compatibility; state always lives where torch.optim keeps
+            it without CUDA graphs.
+
+    Raises:
+        ValueError: for a negative lr, eps or weight_decay, or a beta outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 2e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        capturable: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalAdamax)
+            check_params(params)
+            check_lr(lr)
+            check_at_least("eps", eps, 0.0)
+            check_betas(betas)
+            check_at_least("weight_decay", weight_decay, 0.0)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.foreach = foreach
+        self.maximize = maximize
+        self.differentiable = differentiable
+        self.capturable = capturable
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
+
+        Values are lists so that every class shares the signature (betas take two).
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "betas":
+            betas = pair(name, value)
+            self.betas = (betas[0], betas[1])
+        elif name == "eps":
+            self.eps = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
+        else:
+            raise ValueError(
+                unknown_hyperparameter("Adamax", name, ["lr", "betas", "eps", "weight_decay"])
+            )
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient.
+        """
+        check_gradients(self.params, gradients)
+        lr = lr_of(self.lr, self.lr_tensor)
+        with torch.no_grad():
+            for group in self.groups:
+                params: List[Tensor] = []
+                grads: List[Tensor] = []
+                exp_avgs: List[Tensor] = []
+                exp_infs: List[Tensor] = []
+                steps: List[Tensor] = []
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if g.is_sparse:
+                            raise RuntimeError("Adamax does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i)
+                        state = self.state[i]
+                        params.append(self.params[i])
+                        grads.append(g)
+                        exp_avgs.append(state["exp_avg"])
+                        exp_infs.append(state["exp_inf"])
+                        steps.append(state["step"])
+                self.live = [params, exp_avgs, exp_infs, steps]
+                self._foreach_update(params, grads, exp_avgs, exp_infs, steps, lr)
+            self.live = no_lists()
+
+    def _init_state(self, i: int) -> None:
+        p = self.params[i]
+        # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
+        # inlined, so exp_inf is made from exp_avg.
+        exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_inf = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
+        self.state[i] = {"step": new_step(), "exp_avg": exp_avg, "exp_inf": exp_inf}
+
+    def _foreach_update(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        exp_avgs: List[Tensor],
+        exp_infs: List[Tensor],
+        steps: List[Tensor],
+        lr: float,
+    ) -> None:
+        if len(params) == 0:
+            return
+        beta1, beta2 = self.betas
+        if self.maximize:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(steps, 1.0)
+        if self.weight_decay != 0.0:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_infs, beta2)
+        # A new list: the caller's gradients are never changed.
+        norms = torch._foreach_abs(grads)
+        torch._foreach_add_(norms, self.eps)
+        torch._foreach_maximum_(exp_infs, norms)
+        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+        step_sizes: List[Union[int, float, complex]] = []
+        for s in steps:
+            step_sizes.append(-(lr / (1.0 - beta1 ** float(s.item()))))
+        torch._foreach_addcdiv_(params, exp_avgs, exp_infs, step_sizes)

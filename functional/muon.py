@@ -1,0 +1,217 @@
+"""Muon (momentum orthogonalized by Newton-Schulz) for 2-D parameters, as torch.optim.Muon."""
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import (
+    check_at_least,
+    check_below,
+    check_choice,
+    check_length,
+    check_lr,
+    check_matrix_params,
+    check_params,
+)
+from functional._common import (
+    check_gradients,
+    group_by_device_dtype,
+    index_of,
+    no_lists,
+    one_gradient,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+def newton_schulz_orthogonalize(
+    matrix: Tensor, coefficients: Tuple[float, float, float], steps: int, eps: float
+) -> Tensor:
+    """An approximately orthogonal matrix with ``matrix``'s singular vectors, in bfloat16.
+
+    Runs ``steps`` quintic Newton-Schulz iterations :math:`X \\leftarrow aX + (bA + cA^2)X`,
+    :math:`A = XX^\\top`, on the matrix scaled to Frobenius norm <= 1 (``eps`` keeps the
+    division finite), working on the wide orientation so that :math:`A` is the smaller Gram
+    matrix; the same bfloat16 operations as torch.optim.Muon.
+    """
+    a = coefficients[0]
+    b = coefficients[1]
+    c = coefficients[2]
+    tall = matrix.size(0) > matrix.size(1)
+    x = matrix.to(torch.bfloat16)
+    if tall:
+        x = x.t()
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = torch.matmul(x, x.t())
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    if tall:
+        x = x.t()
+    return x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], rows: int, cols: int) -> float:
+    """The learning rate scaled for a ``rows`` x ``cols`` matrix, as torch.optim.Muon does."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1.0, float(rows) / float(cols)))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(float(max(rows, cols)))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+class FunctionalMuon:
+    r"""Muon: SGD-momentum whose update matrix is orthogonalized before it is applied.
+
+    Same arguments, defaults, state (``momentum_buffer``) and results as
+    :class:`torch.optim.Muon`; every parameter must be 2-D. Orthogonalizing equalizes the
+    update's singular values, so no direction of a weight matrix dominates the step. With
+    gradient :math:`g_t`, momentum :math:`\mu`, weight decay :math:`\lambda`, learning rate
+    :math:`\gamma` and Newton-Schulz operator :math:`\mathrm{NS}` (``ns_steps`` iterations
+    with ``ns_coefficients``, in bfloat16):
+
+    .. math::
+        B_t &= \mu B_{t-1} + (1 - \mu) g_t \\
+        \tilde B_t &= \begin{cases} (1 - \mu) g_t + \mu B_t & \text{Nesterov} \\
+            B_t & \text{otherwise} \end{cases} \\
+        \theta_t &= (1 - \gamma\lambda) \theta_{t-1} - s(\gamma)\, \mathrm{NS}(\tilde B_t)
+
+    where :math:`s(\gamma)` is :math:`\gamma \sqrt{\max(1, A/B)}` for an :math:`A \times B`
+    matrix (``adjust_lr_fn`` None or ``"original"``) or :math:`0.2 \gamma \sqrt{\max(A, B)}`
+    (``"match_rms_adamw"``). torch.optim has no foreach form, so parameters are updated one
+    by one.
+
+    Args:
+        params: 2-D parameters to update, in the order gradients will be given.
+        lr: learning rate (a float).
+        weight_decay: decoupled weight decay coefficient (multiplied by lr).
+        momentum: momentum factor.
+        nesterov: use Nesterov momentum.
+        ns_coefficients: (a, b, c) of the quintic Newton-Schulz polynomial.
+        eps: floor of the norm the matrix is divided by before the iterations.
+        ns_steps: number of Newton-Schulz iterations (< 100).
+        adjust_lr_fn: ``None``, ``"original"`` or ``"match_rms_adamw"``.
+
+    Raises:
+        ValueError: for a negative lr, momentum or weight_decay, an unknown adjust_lr_fn,
+            a parameter that is not 2-D, ns_coefficients not of three values or
+            ns_steps >= 100 (torch.optim checks the last two only when it steps).
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: Optional[str] = None,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalMuon)
+            check_params(params)
+            check_lr(lr)
+            check_at_least("momentum", momentum, 0.0)
+            check_at_least("weight_decay", weight_decay, 0.0)
+            check_choice("adjust_lr_fn", adjust_lr_fn, [None, "original", "match_rms_adamw"])
+            check_matrix_params(params)
+            check_length("ns_coefficients", ns_coefficients, 3)
+            check_below("ns_steps", ns_steps, 100)
+        self.params = params
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+        self.ns_coefficients = (
+            float(ns_coefficients[0]),
+            float(ns_coefficients[1]),
+            float(ns_coefficients[2]),
+        )
+        self.eps = float(eps)
+        self.ns_steps = ns_steps
+        self.adjust_lr_fn = adjust_lr_fn
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, weight_decay, momentum, eps,
+        ns_coefficients).
+
+        Values are lists so that every class shares the signature (ns_coefficients take
+        three).
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
+        elif name == "momentum":
+            self.momentum = scalar(name, value)
+        elif name == "eps":
+            self.eps = scalar(name, value)
+        elif name == "ns_coefficients":
+            if len(value) != 3:
+                raise ValueError(f"Invalid ns_coefficients: {value} (expected three values)")
+            self.ns_coefficients = (value[0], value[1], value[2])
+        else:
+            raise ValueError(
+                unknown_hyperparameter(
+                    "Muon", name, ["lr", "weight_decay", "momentum", "eps", "ns_coefficients"]
+                )
+            )
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient or a complex parameter (as torch.optim).
+        """
+        check_gradients(self.params, gradients)
+        with torch.no_grad():
+            for group in self.groups:
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if self.params[i].is_complex():
+                            raise RuntimeError("Muon does not support complex parameters")
+                        if g.is_sparse:
+                            raise RuntimeError("Muon does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i, g)
+                        self._update(i, g)
+
+    def _init_state(self, i: int, grad: Tensor) -> None:
+        self.state[i] = {"momentum_buffer": torch.zeros_like(grad)}
+
+    def _update(self, i: int, grad: Tensor) -> None:
+        param = self.params[i]
+        buf = self.state[i]["momentum_buffer"]
+        buf.lerp_(grad, 1.0 - self.momentum)
+        if self.nesterov:
+            update = grad.lerp(buf, self.momentum)
+        else:
+            update = buf
+        update = newton_schulz_orthogonalize(update, self.ns_coefficients, self.ns_steps, self.eps)
+        lr = adjusted_lr(self.lr, self.adjust_lr_fn, param.size(0), param.size(1))
+        param.mul_(1.0 - self.lr * self.weight_decay)
+        param.add_(update, alpha=-lr)

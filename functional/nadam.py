@@ -1,0 +1,243 @@
+"""NAdam (Adam with Nesterov momentum), as torch.optim.NAdam."""
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import check_at_least, check_betas, check_lr, check_params
+from functional._common import (
+    check_gradients,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    new_scalar_like,
+    new_step,
+    no_lists,
+    one_gradient,
+    pair,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+class FunctionalNAdam:
+    r"""NAdam, taking gradients as a list.
+
+    Same arguments, defaults (``lr=2e-3``), state (``step``, ``mu_product``, ``exp_avg``,
+    ``exp_avg_sq``) and results as :class:`torch.optim.NAdam`. With gradient :math:`g_t`,
+    weight decay :math:`\lambda`, betas :math:`\beta_1, \beta_2`, momentum decay
+    :math:`\psi` and learning rate :math:`\gamma`:
+
+    .. math::
+        g_t &\leftarrow g_t + \lambda \theta_{t-1}
+            \text{ (or } \theta_{t-1} \leftarrow (1 - \gamma \lambda) \theta_{t-1}
+            \text{ with decoupled weight decay)} \\
+        \mu_t &= \beta_1 \left(1 - \tfrac{1}{2} \, 0.96^{t \psi}\right), \quad
+            \Pi_t = \prod_{i \le t} \mu_i \\
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t, \quad
+            v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        \theta_t &= \theta_{t-1} - \gamma \left(\frac{(1 - \mu_t) g_t}{1 - \Pi_t}
+            + \frac{\mu_{t+1} m_t}{1 - \Pi_t \mu_{t+1}}\right) \Big/
+            \left(\sqrt{v_t / (1 - \beta_2^t)} + \epsilon\right)
+
+    torch has no fused NAdam kernel; steps run on the foreach kernels.
+
+    Args:
+        params: the parameters to update, in the order gradients will be given.
+        lr: learning rate (a float or a 1-element Tensor).
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: L2 penalty (decoupled from the gradient when
+            ``decoupled_weight_decay``).
+        momentum_decay: how fast the momentum coefficient approaches ``betas[0]``.
+        decoupled_weight_decay: decay the parameters directly, as AdamW does (NAdamW).
+        foreach: accepted for compatibility; the foreach kernels are always used.
+        maximize: maximize the objective instead of minimizing it.
+        capturable: accepted for compatibility; state always lives where torch.optim keeps
+            it without CUDA graphs.
+        differentiable: accepted for compatibility; steps never record autograd history.
+
+    Raises:
+        ValueError: for a negative lr, eps, weight_decay or momentum_decay, or a beta
+            outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 2e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum_decay: float = 4e-3,
+        decoupled_weight_decay: bool = False,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalNAdam)
+            check_params(params)
+            check_lr(lr)
+            check_at_least("eps", eps, 0.0)
+            check_betas(betas)
+            check_at_least("weight_decay", weight_decay, 0.0)
+            check_at_least("momentum_decay", momentum_decay, 0.0)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.momentum_decay = float(momentum_decay)
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self.foreach = foreach
+        self.maximize = maximize
+        self.capturable = capturable
+        self.differentiable = differentiable
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, betas, eps, weight_decay,
+        momentum_decay).
+
+        Values are lists so that every class shares the signature (betas take two).
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "betas":
+            betas = pair(name, value)
+            self.betas = (betas[0], betas[1])
+        elif name == "eps":
+            self.eps = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
+        elif name == "momentum_decay":
+            self.momentum_decay = scalar(name, value)
+        else:
+            raise ValueError(
+                unknown_hyperparameter(
+                    "NAdam", name, ["lr", "betas", "eps", "weight_decay", "momentum_decay"]
+                )
+            )
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient.
+        """
+        check_gradients(self.params, gradients)
+        lr = lr_of(self.lr, self.lr_tensor)
+        with torch.no_grad():
+            for group in self.groups:
+                params: List[Tensor] = []
+                grads: List[Tensor] = []
+                exp_avgs: List[Tensor] = []
+                exp_avg_sqs: List[Tensor] = []
+                mu_products: List[Tensor] = []
+                steps: List[Tensor] = []
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if g.is_sparse:
+                            raise RuntimeError("NAdam does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i)
+                        state = self.state[i]
+                        params.append(self.params[i])
+                        grads.append(g)
+                        exp_avgs.append(state["exp_avg"])
+                        exp_avg_sqs.append(state["exp_avg_sq"])
+                        mu_products.append(state["mu_product"])
+                        steps.append(state["step"])
+                self.live = [params, exp_avgs, exp_avg_sqs, mu_products, steps]
+                self._foreach_update(params, grads, exp_avgs, exp_avg_sqs, mu_products, steps, lr)
+            self.live = no_lists()
+
+    def _init_state(self, i: int) -> None:
+        p = self.params[i]
+        # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
+        # inlined, so exp_avg_sq is made from exp_avg.
+        exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avg_sq = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
+        self.state[i] = {
+            "step": new_step(),
+            "mu_product": new_scalar_like(p, 1.0),
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+        }
+
+    def _foreach_update(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        exp_avgs: List[Tensor],
+        exp_avg_sqs: List[Tensor],
+        mu_products: List[Tensor],
+        steps: List[Tensor],
+        lr: float,
+    ) -> None:
+        if len(params) == 0:
+            return
+        beta1, beta2 = self.betas
+        if self.maximize:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(steps, 1.0)
+        if self.weight_decay != 0.0:
+            if self.decoupled_weight_decay:
+                torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+        bias_correction2_sqrts: List[Union[int, float, complex]] = []
+        mus: List[Union[int, float, complex]] = []
+        mu_floats: List[float] = []
+        mu_nexts: List[float] = []
+        for s in steps:
+            t = float(s.item())
+            bias_correction2_sqrts.append((1.0 - beta2 ** t) ** 0.5)
+            mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * self.momentum_decay)))
+            mus.append(mu)
+            mu_floats.append(mu)
+            mu_nexts.append(beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * self.momentum_decay))))
+        # mu_product is float32, as in torch.optim: the step sizes use its rounded value.
+        torch._foreach_mul_(mu_products, mus)
+        torch._foreach_div_(denom, bias_correction2_sqrts)
+        torch._foreach_add_(denom, self.eps)
+        grad_sizes: List[Union[int, float, complex]] = []
+        exp_avg_sizes: List[Union[int, float, complex]] = []
+        for j in range(len(params)):
+            mu = mu_floats[j]
+            mu_next = mu_nexts[j]
+            mu_product = float(mu_products[j].item())
+            grad_sizes.append(-(lr * (1.0 - mu) / (1.0 - mu_product)))
+            exp_avg_sizes.append(-(lr * mu_next / (1.0 - mu_product * mu_next)))
+        torch._foreach_addcdiv_(params, grads, denom, grad_sizes)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, exp_avg_sizes)

@@ -1,0 +1,229 @@
+"""RAdam (rectified Adam), as torch.optim.RAdam."""
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import check_at_least, check_betas, check_lr, check_params
+from functional._common import (
+    check_gradients,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    new_step,
+    no_lists,
+    one_gradient,
+    pair,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+class FunctionalRAdam:
+    r"""RAdam, taking gradients as a list.
+
+    Same arguments, defaults, state (``step``, ``exp_avg``, ``exp_avg_sq``) and results as
+    :class:`torch.optim.RAdam`. With gradient :math:`g_t`, weight decay :math:`\lambda`,
+    betas :math:`\beta_1, \beta_2` and learning rate :math:`\gamma`, the adaptive term is
+    used only once the variance of the adaptive learning rate is tractable
+    (:math:`\rho_t > 5`):
+
+    .. math::
+        g_t &\leftarrow g_t + \lambda \theta_{t-1}
+            \text{ (or } \theta_{t-1} \leftarrow (1 - \gamma \lambda) \theta_{t-1}
+            \text{ with decoupled weight decay)} \\
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t, \quad
+            v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2, \quad
+            \hat m_t = m_t / (1 - \beta_1^t) \\
+        \rho_\infty &= \frac{2}{1 - \beta_2} - 1, \quad
+            \rho_t = \rho_\infty - \frac{2 t \beta_2^t}{1 - \beta_2^t} \\
+        r_t &= \sqrt{\frac{(\rho_t - 4)(\rho_t - 2)\rho_\infty}
+            {(\rho_\infty - 4)(\rho_\infty - 2)\rho_t}} \\
+        \theta_t &= \begin{cases}
+            \theta_{t-1} - \gamma \hat m_t r_t \sqrt{1 - \beta_2^t} / (\sqrt{v_t} + \epsilon)
+                & \rho_t > 5 \\
+            \theta_{t-1} - \gamma \hat m_t & \text{otherwise} \end{cases}
+
+    torch has no fused RAdam kernel; steps run on the foreach kernels.
+
+    Args:
+        params: the parameters to update, in the order gradients will be given.
+        lr: learning rate (a float or a 1-element Tensor).
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: L2 penalty (decoupled from the gradient when
+            ``decoupled_weight_decay``).
+        decoupled_weight_decay: decay the parameters directly, as AdamW does (RAdamW).
+        foreach: accepted for compatibility; the foreach kernels are always used.
+        maximize: maximize the objective instead of minimizing it.
+        capturable: accepted for compatibility; state always lives where torch.optim keeps
+            it without CUDA graphs.
+        differentiable: accepted for compatibility; steps never record autograd history.
+
+    Raises:
+        ValueError: for a negative lr, eps or weight_decay, or a beta outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalRAdam)
+            check_params(params)
+            check_lr(lr)
+            check_at_least("eps", eps, 0.0)
+            check_betas(betas)
+            check_at_least("weight_decay", weight_decay, 0.0)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self.foreach = foreach
+        self.maximize = maximize
+        self.capturable = capturable
+        self.differentiable = differentiable
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
+
+        Values are lists so that every class shares the signature (betas take two).
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "betas":
+            betas = pair(name, value)
+            self.betas = (betas[0], betas[1])
+        elif name == "eps":
+            self.eps = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
+        else:
+            raise ValueError(
+                unknown_hyperparameter("RAdam", name, ["lr", "betas", "eps", "weight_decay"])
+            )
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient.
+        """
+        check_gradients(self.params, gradients)
+        lr = lr_of(self.lr, self.lr_tensor)
+        with torch.no_grad():
+            for group in self.groups:
+                params: List[Tensor] = []
+                grads: List[Tensor] = []
+                exp_avgs: List[Tensor] = []
+                exp_avg_sqs: List[Tensor] = []
+                steps: List[Tensor] = []
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if g.is_sparse:
+                            raise RuntimeError("RAdam does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i)
+                        state = self.state[i]
+                        params.append(self.params[i])
+                        grads.append(g)
+                        exp_avgs.append(state["exp_avg"])
+                        exp_avg_sqs.append(state["exp_avg_sq"])
+                        steps.append(state["step"])
+                self.live = [params, exp_avgs, exp_avg_sqs, steps]
+                self._foreach_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr)
+            self.live = no_lists()
+
+    def _init_state(self, i: int) -> None:
+        p = self.params[i]
+        # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
+        # inlined, so exp_avg_sq is made from exp_avg.
+        exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avg_sq = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
+        self.state[i] = {"step": new_step(), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+    def _foreach_update(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        exp_avgs: List[Tensor],
+        exp_avg_sqs: List[Tensor],
+        steps: List[Tensor],
+        lr: float,
+    ) -> None:
+        if len(params) == 0:
+            return
+        beta1, beta2 = self.betas
+        torch._foreach_add_(steps, 1.0)
+        if self.maximize:
+            grads = torch._foreach_neg(grads)
+        rho_inf = 2.0 / (1.0 - beta2) - 1.0
+        # Per parameter: the step size of the adaptive term (0 while rho_t <= 5, which sends
+        # that term to zero below) and of the plain momentum term (0 once rho_t > 5).
+        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+        adaptive_sizes: List[Union[int, float, complex]] = []
+        plain_sizes: List[Union[int, float, complex]] = []
+        for s in steps:
+            t = float(s.item())
+            rho_t = rho_inf - 2.0 * t * (beta2 ** t) / (1.0 - beta2 ** t)
+            rect = 0.0
+            if rho_t > 5.0:
+                rect = (
+                    (rho_t - 4.0) * (rho_t - 2.0) * rho_inf
+                    / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+                ) ** 0.5
+            unrectified = 0.0 if rect > 0.0 else 1.0
+            bias_correction1 = 1.0 - beta1 ** t
+            plain_sizes.append(-(lr * unrectified / bias_correction1))
+            adaptive_sizes.append(-(((1.0 - beta2 ** t) ** 0.5) * (lr * rect / bias_correction1)))
+        if self.weight_decay != 0.0:
+            if self.decoupled_weight_decay:
+                torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        # factor = adaptive_size / (sqrt(v) + eps) + plain_size; division by a zero
+        # adaptive size gives an infinity whose reciprocal is the wanted zero.
+        factors = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(factors, self.eps)
+        torch._foreach_div_(factors, adaptive_sizes)
+        torch._foreach_reciprocal_(factors)
+        torch._foreach_add_(factors, plain_sizes)
+        torch._foreach_addcmul_(params, exp_avgs, factors)

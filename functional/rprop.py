@@ -1,0 +1,192 @@
+"""Rprop (sign-based steps with per-element adaptive step sizes), as torch.optim.Rprop."""
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import check_etas, check_lr, check_params
+from functional._common import (
+    check_gradients,
+    new_step,
+    fresh_zeros_like,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    no_lists,
+    one_gradient,
+    pair,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+class FunctionalRprop:
+    r"""Resilient backpropagation, taking gradients as a list.
+
+    Same arguments, defaults, state (``step``, ``prev``, ``step_size``) and results as
+    :class:`torch.optim.Rprop`. Each element's step size starts at the learning rate in
+    effect when the parameter first gets a gradient; later lr changes do not touch it. With
+    gradient :math:`g_t`, etas :math:`(\eta^-, \eta^+)` and step-size bounds
+    :math:`(\Gamma_{min}, \Gamma_{max})`:
+
+    .. math::
+        \eta_t &= \begin{cases} \eta^+ & g_t g_{t-1} > 0 \\ \eta^- & g_t g_{t-1} < 0 \\
+            1 & \text{otherwise} \end{cases} \\
+        \Gamma_t &= \mathrm{clamp}(\eta_t \Gamma_{t-1}, \Gamma_{min}, \Gamma_{max}) \\
+        g_t &\leftarrow 0 \text{ where } \eta_t = \eta^- \\
+        \theta_t &= \theta_{t-1} - \mathrm{sign}(g_t) \Gamma_t
+
+    and :math:`g_t` (after zeroing) is kept as ``prev``. Every step runs on the foreach
+    kernels (torch has no fused Rprop); sparse gradients are rejected, as torch.optim
+    rejects them.
+
+    Args:
+        params: the parameters to update, in the order gradients will be given.
+        lr: initial step size (a float or a 1-element Tensor).
+        etas: multiplicative decrease and increase factors ``(etaminus, etaplus)``.
+        step_sizes: minimal and maximal step size.
+        capturable: accepted for compatibility (CUDA-graph capture has no CPU meaning).
+        foreach: accepted for compatibility; the foreach kernels are always used.
+        maximize: maximize the objective instead of minimizing it.
+        differentiable: accepted for compatibility; steps never record autograd history.
+
+    Raises:
+        ValueError: for a negative lr, or etas not satisfying ``0 < etaminus < 1 < etaplus``.
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 1e-2,
+        etas: Tuple[float, float] = (0.5, 1.2),
+        step_sizes: Tuple[float, float] = (1e-6, 50.0),
+        capturable: bool = False,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalRprop)
+            check_params(params)
+            check_lr(lr)
+            check_etas(etas)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.etas = (float(etas[0]), float(etas[1]))
+        self.step_sizes = (float(step_sizes[0]), float(step_sizes[1]))
+        self.capturable = capturable
+        self.foreach = foreach
+        self.maximize = maximize
+        self.differentiable = differentiable
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, etas, step_sizes).
+
+        Values are lists so that every class shares the signature (pairs take two). A new lr
+        only sets the first step size of parameters that have no state yet.
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "etas":
+            etas = pair(name, value)
+            self.etas = (etas[0], etas[1])
+        elif name == "step_sizes":
+            step_sizes = pair(name, value)
+            self.step_sizes = (step_sizes[0], step_sizes[1])
+        else:
+            raise ValueError(unknown_hyperparameter("Rprop", name, ["lr", "etas", "step_sizes"]))
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a sparse gradient.
+        """
+        check_gradients(self.params, gradients)
+        lr = lr_of(self.lr, self.lr_tensor)
+        with torch.no_grad():
+            for group in self.groups:
+                params: List[Tensor] = []
+                grads: List[Tensor] = []
+                prevs: List[Tensor] = []
+                step_sizes: List[Tensor] = []
+                steps: List[Tensor] = []
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if g.is_sparse:
+                            raise RuntimeError("Rprop does not support sparse gradients")
+                        if i not in self.state:
+                            self._init_state(i, lr)
+                        state = self.state[i]
+                        params.append(self.params[i])
+                        grads.append(g)
+                        prevs.append(state["prev"])
+                        step_sizes.append(state["step_size"])
+                        steps.append(state["step"])
+                self.live = [params, prevs, step_sizes, steps]
+                self._foreach_update(params, grads, prevs, step_sizes, steps)
+            self.live = no_lists()
+
+    def _init_state(self, i: int, lr: float) -> None:
+        p = self.params[i]
+        self.state[i] = {
+            "step": new_step(),
+            "prev": fresh_zeros_like(p),
+            "step_size": torch.full_like(p, lr),
+        }
+
+    def _foreach_update(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        prevs: List[Tensor],
+        step_sizes: List[Tensor],
+        steps: List[Tensor],
+    ) -> None:
+        if len(params) == 0:
+            return
+        etaminus, etaplus = self.etas
+        step_size_min, step_size_max = self.step_sizes
+        torch._foreach_add_(steps, 1.0)
+        signs = torch._foreach_mul(grads, prevs)
+        if self.maximize:
+            torch._foreach_neg_(signs)
+        # From here on ``prevs`` holds this step's (signed, then masked) gradient.
+        torch._foreach_copy_(prevs, grads)
+        if self.maximize:
+            torch._foreach_neg_(prevs)
+        torch._foreach_sign_(signs)
+        for sign in signs:
+            sign.masked_fill_(sign.gt(0), etaplus)
+            sign.masked_fill_(sign.lt(0), etaminus)
+            sign.masked_fill_(sign.eq(0), 1.0)
+        torch._foreach_mul_(step_sizes, signs)
+        for j in range(len(step_sizes)):
+            step_sizes[j].clamp_(step_size_min, step_size_max)
+            prevs[j].masked_fill_(signs[j].eq(etaminus), 0.0)
+        grad_signs = torch._foreach_sign(prevs)
+        torch._foreach_addcmul_(params, grad_signs, step_sizes, value=-1.0)

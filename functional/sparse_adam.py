@@ -1,0 +1,183 @@
+"""Adam for sparse gradients (lazy, row by row), as torch.optim.SparseAdam."""
+import math
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from functional._compile import ensure_scripted
+from functional._validation import (
+    check_betas,
+    check_dense_real_params,
+    check_greater,
+    check_lr,
+    check_params,
+)
+from functional._common import (
+    check_gradients,
+    group_by_device_dtype,
+    index_of,
+    lr_float,
+    lr_of,
+    lr_tensor,
+    new_step,
+    no_lists,
+    one_gradient,
+    pair,
+    scalar,
+    unknown_hyperparameter,
+)
+
+
+class FunctionalSparseAdam:
+    r"""Adam that updates only the entries a sparse gradient holds (e.g. embedding rows).
+
+    Same arguments, defaults, state (``step``, ``exp_avg``, ``exp_avg_sq``) and results as
+    :class:`torch.optim.SparseAdam`: the moments and the parameter change only where the
+    coalesced sparse COO gradient :math:`g_t` has values, so rows that were not looked up
+    keep their moments, instead of decaying them as Adam would. On those entries:
+
+    .. math::
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t, \quad
+        v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        \theta_t &= \theta_{t-1} - \gamma \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t}
+            \frac{m_t}{\sqrt{v_t} + \epsilon}
+
+    where :math:`t` counts the parameter's steps (``step`` is kept as a 0-dim float32
+    tensor; torch.optim keeps a Python int, and the state_dict conversion turns one into
+    the other). Sparse arithmetic has no foreach form, so parameters are updated one by one.
+
+    Args:
+        params: dense parameters to update, in the order gradients will be given.
+        lr: learning rate (a float or a 1-element Tensor), > 0.
+        betas: decay rates of the first and second moment averages, each in [0, 1).
+        eps: term added to the denominator, > 0.
+        maximize: maximize the objective instead of minimizing it.
+
+    Raises:
+        ValueError: for lr or eps not > 0, a beta outside [0, 1), or a sparse or complex
+            parameter.
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: Union[float, Tensor] = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        maximize: bool = False,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            ensure_scripted(FunctionalSparseAdam)
+            check_params(params)
+            check_lr(lr)
+            check_greater("lr", lr_float(lr), 0.0)
+            check_greater("eps", eps, 0.0)
+            check_betas(betas)
+            check_dense_real_params(params)
+        self.params = params
+        self.lr = lr_float(lr)
+        self.lr_tensor = lr_tensor(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.maximize = maximize
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+        self.groups = group_by_device_dtype(params)
+        self.live = no_lists()
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter between steps (lr, betas, eps).
+
+        Values are lists so that every class shares the signature (betas take two).
+        """
+        if name == "lr":
+            self.lr = scalar(name, value)
+            lr_tensor = self.lr_tensor
+            if lr_tensor is not None:
+                lr_tensor.fill_(self.lr)
+        elif name == "betas":
+            betas = pair(name, value)
+            self.betas = (betas[0], betas[1])
+        elif name == "eps":
+            self.eps = scalar(name, value)
+        else:
+            raise ValueError(unknown_hyperparameter("SparseAdam", name, ["lr", "betas", "eps"]))
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state (used when loading a torch.optim state_dict)."""
+        self.state = state
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (None: leave it and its state as they are)."""
+        i = index_of(self.params, param)
+        self.step(one_gradient(len(self.params), i, grad))
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Args:
+            gradients: one sparse COO gradient (or None to skip that parameter) per parameter.
+
+        Raises:
+            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
+            RuntimeError: for a dense gradient (torch.optim's message); nothing is updated.
+        """
+        check_gradients(self.params, gradients)
+        for i in range(len(gradients)):
+            g = gradients[i]
+            if g is not None:
+                if not g.is_sparse:
+                    raise RuntimeError(
+                        "SparseAdam does not support dense gradients, please consider Adam instead"
+                    )
+        lr = lr_of(self.lr, self.lr_tensor)
+        with torch.no_grad():
+            for group in self.groups:
+                for i in group:
+                    g = gradients[i]
+                    if g is not None:
+                        if i not in self.state:
+                            self._init_state(i)
+                        self._sparse_update(i, g, lr)
+
+    def _init_state(self, i: int) -> None:
+        p = self.params[i]
+        self.state[i] = {
+            "step": new_step(),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+
+    def _sparse_update(self, i: int, grad: Tensor, lr: float) -> None:
+        param = self.params[i]
+        entry = self.state[i]
+        step_t = entry["step"]
+        exp_avg = entry["exp_avg"]
+        exp_avg_sq = entry["exp_avg_sq"]
+        beta1 = self.betas[0]
+        beta2 = self.betas[1]
+        # The step counts even when the gradient holds no values (torch.optim does the same).
+        step_t.add_(1.0)
+        if self.maximize:
+            grad = -grad
+        # The update is non-linear, so repeated indices must be summed first.
+        grad = grad.coalesce()
+        indices = grad._indices()
+        values = grad._values()
+        if values.numel() == 0:
+            return
+        size = grad.size()
+        # m += (1 - b1) (g - m) and v += (1 - b2) (g^2 - v), on the gradient's entries only.
+        old_exp_avg = exp_avg.sparse_mask(grad)._values()
+        exp_avg_change = values.sub(old_exp_avg).mul_(1.0 - beta1)
+        exp_avg.add_(torch.sparse_coo_tensor(indices, exp_avg_change, size))
+        old_exp_avg_sq = exp_avg_sq.sparse_mask(grad)._values()
+        exp_avg_sq_change = values.pow(2).sub_(old_exp_avg_sq).mul_(1.0 - beta2)
+        exp_avg_sq.add_(torch.sparse_coo_tensor(indices, exp_avg_sq_change, size))
+        numer = exp_avg_change.add_(old_exp_avg)
+        denom = exp_avg_sq_change.add_(old_exp_avg_sq).sqrt_().add_(self.eps)
+        step = float(step_t.item())
+        bias_correction1 = 1.0 - beta1 ** step
+        bias_correction2 = 1.0 - beta2 ** step
+        step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+        param.add_(torch.sparse_coo_tensor(indices, numer.div_(denom) * (-step_size), size))

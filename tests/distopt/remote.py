@@ -1,0 +1,247 @@
+"""Code the distopt tests run on RPC workers, in a module workers can import by name.
+
+Workers unpickle RPC targets, optimizer classes and process entry points by qualified name,
+so everything a test sends them lives here rather than in a test file.
+"""
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import Tensor
+
+from distopt import DistributedOptimizer, DistributedOptimizerError
+from distopt import owner
+
+# ---------------------------------------------------------------- processes
+
+
+def backend_options(port: int, rpc_timeout: float) -> rpc.TensorPipeRpcBackendOptions:
+    """Loopback TensorPipe options for a world rendezvousing on ``port``."""
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=32, rpc_timeout=rpc_timeout
+    )
+
+
+def run_worker(rank: int, world_size: int, port: int, rpc_timeout: float) -> None:
+    """Process entry point: join the world as ``worker<rank>`` and serve until shutdown."""
+    torch.set_num_threads(1)
+    rpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=backend_options(port, rpc_timeout),
+    )
+    rpc.shutdown()
+
+
+# ---------------------------------------------------------------- parameters and forward
+
+
+def make_param(shape: Tuple[int, ...], seed: int) -> Tensor:
+    """A random parameter, created on (and so owned by) the worker running this."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).requires_grad_(True)
+
+
+def make_ones(shape: Tuple[int, ...]) -> Tensor:
+    """A parameter of ones."""
+    return torch.ones(shape, requires_grad=True)
+
+
+def make_list() -> List[int]:
+    """Something that is not a parameter, for an RRef that an optimizer must reject."""
+    return [1, 2, 3]
+
+
+def term(param: Tensor, data: Tensor, sparse: bool) -> Tensor:
+    """One parameter's share of a loss: dense ``sum(tanh(p * x))``, or a sparse lookup."""
+    if sparse:
+        return F.embedding(data, param, sparse=True).pow(2).sum()
+    return torch.tanh(param * data).sum()
+
+
+def remote_term(param_rref: rpc.RRef, data: Tensor, sparse: bool) -> Tensor:
+    """``term`` on the owner of ``param_rref`` (called by rpc, so autograd spans workers)."""
+    return term(param_rref.local_value(), data, sparse)
+
+
+def param_sum(param_rref: rpc.RRef) -> Tensor:
+    """``sum(p)``: its gradient is all ones."""
+    return param_rref.local_value().sum()
+
+
+def value(param_rref: rpc.RRef) -> Tensor:
+    """A copy of the parameter's current value."""
+    return param_rref.local_value().detach().clone()
+
+
+# ---------------------------------------------------------------- trainers
+
+
+def sum_step(optimizer: DistributedOptimizer, param_rrefs: Sequence[rpc.RRef]) -> None:
+    """One training step on ``sum`` of each parameter: every element's gradient is 1."""
+    with dist_autograd.context() as ctx:
+        losses = [rpc.rpc_sync(r.owner(), param_sum, args=(r,)) for r in param_rrefs]
+        dist_autograd.backward(ctx, [torch.stack(losses).sum()])
+        optimizer.step(ctx)
+
+
+def train_sum_steps(
+    optimizer_class: type, param_rrefs: List[rpc.RRef], steps: int, kwargs: Dict[str, Any]
+) -> bool:
+    """A trainer: its own DistributedOptimizer, ``steps`` sum steps. Returns the path taken."""
+    optimizer = DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
+    for _ in range(steps):
+        sum_step(optimizer, param_rrefs)
+    return optimizer.is_functional_optim
+
+
+def dead_owner_trainer(port: int, rpc_timeout: float, results: Any, go: Any) -> None:
+    """Process entry point: the trainer of a two-process world whose owner gets killed.
+
+    Puts ``"ready"`` on ``results`` once it has stepped, waits for ``go`` (set after the owner
+    is dead), then puts a dict describing the failed step and the failed construction.
+    """
+    torch.set_num_threads(1)
+    rpc.init_rpc(
+        "trainer", rank=0, world_size=2, rpc_backend_options=backend_options(port, rpc_timeout)
+    )
+
+    report: Dict[str, Any] = {}
+    try:
+        rref = rpc.remote("worker1", make_ones, args=((4,),))
+        # Eager, so that no TorchScript compile on the owner races the short timeout.
+        optimizer = DistributedOptimizer(PlainSGD, [rref], lr=1.0)
+        sum_step(optimizer, [rref])
+        results.put("ready")
+        go.wait()
+        for action in ("step", "construction"):
+            start = time.monotonic()
+            try:
+                if action == "step":
+                    with dist_autograd.context() as ctx:
+                        optimizer.step(ctx)
+                else:
+                    DistributedOptimizer(PlainSGD, [rref], lr=1.0)
+                report[action] = {"error": None}
+            except DistributedOptimizerError as exc:
+                report[action] = {"error": str(exc), "failures": dict(exc.failures)}
+            except Exception as exc:  # reported, so the test shows what went wrong
+                report[action] = {"error": f"unexpected {type(exc).__name__}: {exc}"}
+            report[action]["seconds"] = time.monotonic() - start
+    finally:
+        results.put(report)
+        results.close()
+        results.join_thread()
+        rpc.shutdown(graceful=False)
+
+
+# ---------------------------------------------------------------- eager optimizers
+
+
+class PlainSGD(torch.optim.Optimizer):
+    """``p -= lr * grad``: a torch.optim class with no functional stand-in (eager path)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid lr: {lr!r} (expected >= 0)")
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Any] = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+class FailOnWorker2(PlainSGD):
+    """Refuses to be constructed on worker2."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        if rpc.get_worker_info().name == "worker2":
+            raise ValueError("Invalid worker: worker2 (expected any other)")
+        super().__init__(params, lr)
+
+
+class StepFailsOnWorker2(PlainSGD):
+    """Steps everywhere except on worker2, where its step raises."""
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Any] = None) -> None:
+        if rpc.get_worker_info().name == "worker2":
+            raise RuntimeError("step refused on worker2")
+        super().step(closure)
+
+
+# ---------------------------------------------------------------- owner-side probes
+
+
+def live_count_for(param_rref: rpc.RRef) -> int:
+    """How many live local optimizers on this owner update ``param_rref``'s tensor."""
+    param = param_rref.local_value()
+    return sum(
+        1 for lo in owner.live_local_optimizers() if any(p is param for p in lo.params)
+    )
+
+
+def same_lock(a: rpc.RRef, b: rpc.RRef) -> bool:
+    """Whether two parameters on this owner share one lock."""
+    lock_a = owner.lock_of(a.local_value())
+    lock_b = owner.lock_of(b.local_value())
+    assert lock_a is not None and lock_b is not None
+    return lock_a is lock_b
+
+
+def hold_lock(param_rref: rpc.RRef) -> None:
+    """Take the parameter's lock and keep it (``release_lock`` gives it back)."""
+    lock = owner.lock_of(param_rref.local_value())
+    assert lock is not None
+    lock.acquire()
+
+
+def release_lock(param_rref: rpc.RRef) -> None:
+    """Give back a lock taken by ``hold_lock`` (threading.Lock may be released by any thread)."""
+    lock = owner.lock_of(param_rref.local_value())
+    assert lock is not None
+    lock.release()
+
+
+
+
+# ---------------------------------------------------------------- a user's functional optimizer
+
+
+class FunctionalPlainSGD:
+    """A user's functional stand-in for ``PlainSGD``: ``p -= lr * g``, TorchScript-compilable."""
+
+    def __init__(self, params: List[Tensor], lr: float = 0.1) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid lr: {lr} (expected >= 0)")  # no !r in TorchScript
+        self.params = params
+        self.lr = lr
+        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        with torch.no_grad():
+            for i in range(len(self.params)):
+                g = gradients[i]
+                if g is not None:
+                    self.params[i].add_(g, alpha=-self.lr)
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        for i in range(len(self.params)):
+            if self.params[i] is param and grad is not None:
+                with torch.no_grad():
+                    param.add_(grad, alpha=-self.lr)
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        if name != "lr":
+            raise ValueError(f"Invalid hyper-parameter name for PlainSGD: '{name}' (expected lr)")
+        self.lr = value[0]
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        self.state = state

@@ -1,0 +1,197 @@
+"""Bad input fails on the trainer before any RPC; owners' failures name the owner."""
+import multiprocessing
+import os
+import signal
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from distopt import DistributedOptimizer, DistributedOptimizerError
+from functional import functional_optim_map
+from tests.distopt import remote
+from tests.distopt.conftest import free_port
+
+
+@pytest.fixture
+def rpc_calls(monkeypatch) -> List[Any]:
+    """Every rpc_async the trainer makes during the test, by destination."""
+    calls: List[Any] = []
+    real = rpc.rpc_async
+
+    def counting(to, func, *args, **kwargs):
+        calls.append((to, func))
+        return real(to, func, *args, **kwargs)
+
+    monkeypatch.setattr(rpc, "rpc_async", counting)
+    return calls
+
+
+def ones_on(*owners: str) -> List[rpc.RRef]:
+    return [rpc.remote(o, remote.make_ones, args=((4,),)) for o in owners]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_empty_params_rref(world, rpc_calls):
+    with pytest.raises(ValueError, match=r"Invalid params_rref: \[\]"):
+        DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
+    assert rpc_calls == []
+
+
+def test_item_that_is_not_an_rref(world, rpc_calls):
+    [rref] = ones_on("worker1")
+    with pytest.raises(TypeError, match=r"Invalid params_rref\[1\]: Tensor"):
+        DistributedOptimizer(torch.optim.SGD, [rref, torch.ones(2)], lr=0.1)
+    assert rpc_calls == []
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        ("SGD", "'SGD'"),
+        (torch.optim.SGD([torch.ones(1, requires_grad=True)]), "SGD ("),
+        (dict, "dict"),
+    ],
+    ids=["string", "instance", "not-an-optimizer"],
+)
+def test_optimizer_class_that_is_not_an_optimizer(world, rpc_calls, bad, named):
+    [rref] = ones_on("worker1")
+    with pytest.raises(TypeError, match="Invalid optimizer_class") as info:
+        DistributedOptimizer(bad, [rref])
+    assert named in str(info.value)
+    assert rpc_calls == []
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["compiled", "eager"])
+def test_rejected_arguments_name_every_owner(world, monkeypatch, functional):
+    if not functional:
+        monkeypatch.delitem(functional_optim_map, torch.optim.SGD)
+    rrefs = ones_on("worker1", "worker2")
+    with pytest.raises(DistributedOptimizerError) as info:
+        DistributedOptimizer(torch.optim.SGD, rrefs, lr=-1.0)
+    err = info.value
+    assert sorted(err.failures) == ["worker1", "worker2"]
+    for name, message in err.failures.items():
+        assert message.startswith("ValueError: Invalid")
+        assert "-1.0" in message
+        assert f"  {name}: {message}" in str(err).splitlines()
+    assert isinstance(err.__cause__, ValueError)
+    assert isinstance(err, RuntimeError)
+
+
+# ---------------------------------------------------------------- owner failures
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["compiled", "eager"])
+def test_constructor_failure_releases_other_owners(world, functional):
+    [good] = ones_on("worker1")
+    if functional:
+        # A functional optimizer rejects worker2's "parameter", a list.
+        bad = rpc.remote("worker2", remote.make_list)
+        optimizer_class, expected = torch.optim.SGD, "TypeError: Invalid params[0]: list"
+    else:
+        [bad] = ones_on("worker2")
+        optimizer_class, expected = remote.FailOnWorker2, "ValueError: Invalid worker: worker2"
+    with pytest.raises(DistributedOptimizerError) as info:
+        DistributedOptimizer(optimizer_class, [good, bad], lr=0.1)
+    assert list(info.value.failures) == ["worker2"]
+    assert info.value.failures["worker2"].startswith(expected)
+    assert "worker2: " + expected in str(info.value)
+    # worker1 built its local optimizer, then was told to free it.
+    assert rpc.rpc_sync("worker1", remote.live_count_for, args=(good,)) == 0
+
+    kept = DistributedOptimizer(remote.PlainSGD, [good], lr=0.1)
+    assert rpc.rpc_sync("worker1", remote.live_count_for, args=(good,)) == 1
+    del kept
+
+
+def test_step_failure_names_the_owner_and_others_still_step(world):
+    rrefs = ones_on("worker1", "worker2")
+    optimizer = DistributedOptimizer(remote.StepFailsOnWorker2, rrefs, lr=1.0)
+    with pytest.raises(DistributedOptimizerError) as info:
+        remote.sum_step(optimizer, rrefs)
+    assert info.value.failures == {"worker2": "RuntimeError: step refused on worker2"}
+    assert str(info.value).splitlines()[1:] == ["  worker2: RuntimeError: step refused on worker2"]
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert torch.equal(rpc.rpc_sync("worker1", remote.value, args=(rrefs[0],)), torch.zeros(4))
+    assert torch.equal(rpc.rpc_sync("worker2", remote.value, args=(rrefs[1],)), torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "optimizer_class", [torch.optim.SGD, remote.PlainSGD], ids=["compiled", "eager"]
+)
+def test_finished_context_fails_before_any_owner(world, rpc_calls, optimizer_class):
+    rrefs = ones_on("worker1", "worker2")
+    optimizer = DistributedOptimizer(optimizer_class, rrefs, lr=1.0)
+    with dist_autograd.context() as ctx:
+        losses = [rpc.rpc_sync(r.owner(), remote.param_sum, args=(r,)) for r in rrefs]
+        dist_autograd.backward(ctx, [torch.stack(losses).sum()])
+    del rpc_calls[:]
+    with pytest.raises(ValueError, match=rf"Invalid context_id: {ctx} "):
+        optimizer.step(ctx)
+    with pytest.raises(ValueError, match="Invalid context_id: 123456789 "):
+        optimizer.step(123456789)
+    with pytest.raises(TypeError, match="Invalid context_id: 'x' "):
+        optimizer.step("x")
+    assert rpc_calls == []
+    for r in rrefs:
+        assert torch.equal(rpc.rpc_sync(r.owner(), remote.value, args=(r,)), torch.ones(4))
+
+
+def test_error_survives_pickling():
+    import pickle
+
+    err = DistributedOptimizerError("boom", {"worker1": "ValueError: x"})
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == "boom" and back.failures == {"worker1": "ValueError: x"}
+
+
+# ---------------------------------------------------------------- a dead owner
+
+
+@pytest.mark.parametrize(
+    "how, timeout_s",
+    [("killed", 10.0), ("stopped", 4.0)],
+    ids=["killed", "stopped"],
+)
+def test_dead_owner_is_named_within_the_rpc_timeout(how, timeout_s):
+    """Its own two-process world, so that losing an owner leaves the shared one intact.
+
+    A killed owner closes its connections; a stopped one (SIGSTOP) keeps them open and
+    answers nothing, so only the RPC timeout can end the wait.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    results, go = ctx.Queue(), ctx.Event()
+    owner = ctx.Process(target=remote.run_worker, args=(1, 2, port, timeout_s), daemon=True)
+    trainer = ctx.Process(
+        target=remote.dead_owner_trainer, args=(port, timeout_s, results, go), daemon=True
+    )
+    owner.start()
+    trainer.start()
+    try:
+        assert results.get(timeout=120) == "ready"
+        if how == "killed":
+            owner.kill()
+            owner.join()
+        else:
+            os.kill(owner.pid, signal.SIGSTOP)
+        go.set()
+        report = results.get(timeout=4 * timeout_s + 30)
+    finally:
+        for proc in (trainer, owner):
+            if proc is owner and how == "stopped":
+                proc.kill()
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    for action in ("step", "construction"):
+        outcome = report[action]
+        assert outcome.get("failures", {}).keys() == {"worker1"}, outcome
+        assert "worker1: " in outcome["error"]
+        assert outcome["seconds"] < timeout_s + 5, outcome
