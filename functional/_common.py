@@ -16,7 +16,11 @@ from torch import Tensor
 
 
 def check_gradients(params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
-    """Raise ValueError unless ``gradients`` lines up with ``params`` one to one."""
+    """Raise ValueError unless ``gradients`` lines up with ``params`` one to one.
+
+    One cheap pass (``is_same_size`` and a dtype compare per gradient) on the hot path; the
+    message naming the index and both values is built only when something is wrong.
+    """
     if len(gradients) != len(params):
         raise ValueError(
             f"Invalid gradients: {len(gradients)} gradients for {len(params)} parameters "
@@ -26,16 +30,20 @@ def check_gradients(params: List[Tensor], gradients: List[Optional[Tensor]]) -> 
         g = gradients[i]
         if g is not None:
             p = params[i]
-            if g.shape != p.shape:
-                raise ValueError(
-                    f"Invalid gradients[{i}]: shape {g.shape} (expected {p.shape}, "
-                    f"the shape of params[{i}])"
-                )
-            if g.dtype != p.dtype:
-                raise ValueError(
-                    f"Invalid gradients[{i}]: dtype {dtype_name(g.dtype)} (expected "
-                    f"{dtype_name(p.dtype)}, the dtype of params[{i}])"
-                )
+            if not g.is_same_size(p) or g.dtype != p.dtype:
+                _raise_mismatch(i, g, p)
+
+
+def _raise_mismatch(i: int, g: Tensor, p: Tensor) -> None:
+    if g.shape != p.shape:
+        raise ValueError(
+            f"Invalid gradients[{i}]: shape {g.shape} (expected {p.shape}, "
+            f"the shape of params[{i}])"
+        )
+    raise ValueError(
+        f"Invalid gradients[{i}]: dtype {dtype_name(g.dtype)} (expected "
+        f"{dtype_name(p.dtype)}, the dtype of params[{i}])"
+    )
 
 
 def gather(
@@ -56,7 +64,7 @@ def gather(
             g = gradients[i]
             if g is not None:
                 if not g.is_same_size(params[i]) or g.dtype != params[i].dtype:
-                    check_gradients(params, gradients)
+                    _raise_mismatch(i, g, params[i])
                 idx.append(i)
                 grads.append(g)
         batches.append((idx, grads))
