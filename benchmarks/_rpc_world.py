@@ -1,0 +1,130 @@
+"""What ``benchmarks/rpc_step.py`` runs on its owner processes, importable by name there.
+
+Owners hold named sets of parameters (so that a forward pass sends a name, not thousands of
+RRefs), compute the cheap loss whose gradients the benchmark steps on, and can run a thread
+that spins in pure Python to keep their interpreter busy.
+"""
+import threading
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+_sets: Dict[str, List[Tensor]] = {}
+_spinning: List[bool] = [False]
+_spinner: List[Optional[threading.Thread]] = [None]
+
+
+def backend_options(port: int, rpc_timeout: float = 120.0) -> rpc.TensorPipeRpcBackendOptions:
+    """Loopback TensorPipe options for a world rendezvousing on ``port``."""
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=32, rpc_timeout=rpc_timeout
+    )
+
+
+def run_owner(rank: int, world_size: int, port: int) -> None:
+    """Process entry point: join as ``owner<rank>`` and serve until the trainer shuts down."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script, in torch's optimizer
+    torch.set_num_threads(1)
+    rpc.init_rpc(
+        f"owner{rank}", rank=rank, world_size=world_size, rpc_backend_options=backend_options(port)
+    )
+    rpc.shutdown()
+
+
+def create(name: str, count: int, numel: int, fill: Optional[float]) -> List[rpc.RRef]:
+    """RPC target: ``count`` parameters of ``numel`` elements (random, or all ``fill``)."""
+    gen = torch.Generator().manual_seed(len(name) + count)
+    if fill is None:
+        params = [torch.randn(numel, generator=gen).requires_grad_() for _ in range(count)]
+    else:
+        params = [torch.full((numel,), fill).requires_grad_() for _ in range(count)]
+    _sets[name] = params
+    return [rpc.RRef(p) for p in params]
+
+
+def drop(name: str) -> None:
+    """RPC target: forget a set (its RRefs may still keep the tensors alive)."""
+    _sets.pop(name, None)
+
+
+def set_sum(name: str) -> Tensor:
+    """RPC target: the sum of every element of a set; each element's gradient is 1."""
+    params = _sets[name]
+    if len(params) == 1:
+        return params[0].sum()
+    return torch.stack([p.sum() for p in params]).sum()
+
+
+def set_values(name: str) -> List[Tensor]:
+    """RPC target: copies of a set's current values."""
+    return [p.detach().clone() for p in _sets[name]]
+
+
+def _spin() -> None:
+    n = 0
+    while _spinning[0]:
+        n += 1
+
+
+def start_spinner() -> None:
+    """RPC target: start a thread that spins in pure Python (holding the GIL when it runs)."""
+    if _spinner[0] is None:
+        _spinning[0] = True
+        _spinner[0] = threading.Thread(target=_spin, daemon=True)
+        _spinner[0].start()
+
+
+def stop_spinner() -> None:
+    """RPC target: stop the spinning thread."""
+    thread = _spinner[0]
+    _spinning[0] = False
+    if thread is not None:
+        thread.join()
+    _spinner[0] = None
+
+
+@torch.jit.script
+def script_echo(x: int) -> int:
+    """A TorchScript RPC target that does nothing: the round trip's floor."""
+    return x
+
+
+def python_echo(x: int) -> int:
+    """A Python RPC target that does nothing."""
+    return x
+
+
+def set_switch_interval(seconds: float) -> float:
+    """RPC target: set this interpreter's GIL switch interval; returns the old one."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    return old
+
+
+def timed_owner_step(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> float:
+    """RPC target: seconds distopt's owner-side step function takes here, on its own.
+
+    Probes distopt's internals (``distopt.owner.step_local_optimizer``) to split a step's
+    time between the owner's work and the RPC and trainer around it.
+    """
+    import time
+
+    from distopt import owner
+
+    start = time.perf_counter()
+    failure = owner.step_local_optimizer(optimizer_rref, autograd_ctx_id)
+    elapsed = time.perf_counter() - start
+    if failure is not None:
+        raise RuntimeError(f"owner step failed: {failure}")
+    return elapsed
+
+
+class EagerAdam(torch.optim.Adam):
+    """torch.optim.Adam under another name: neither library maps it, so both run it eagerly."""

@@ -1,0 +1,409 @@
+"""distopt.DistributedOptimizer against torch.distributed.optim.DistributedOptimizer, one run.
+
+Three processes on this machine: ``trainer`` (this one) and two parameter owners, one
+OpenMP thread each. Adam (lr 1e-3) unless said otherwise; only ``opt.step(ctx)`` is timed,
+each step in a fresh autograd context after a cheap forward/backward (the sum of every
+parameter, so every gradient is ones).
+
+- large: one 4M-element parameter on owner1.
+- small: 64 parameters of 1,024 elements on each owner.
+- many: 2,000 parameters of 32 elements, half on each owner.
+- concurrent: ``--threads`` trainer threads, each with its own DistributedOptimizer (SGD,
+  lr 1) over the same 64 x 1,024 parameters of ones on owner1, each taking
+  ``--concurrent-steps`` steps: throughput (steps/s over the whole run, forward and backward
+  included) and lost updates (elements short of the expected value, summed).
+- busy owner: the ``many`` and ``small`` parameter counts, all on owner1, stepped while a
+  thread on owner1 spins in pure Python; the slowdown busy/idle for distopt, torch's
+  functional (TorchScript) path, and torch's eager path (``EagerAdam``, an unmapped
+  subclass of torch.optim.Adam).
+
+The floor of a case: a local fused Adam step over the largest share one owner updates, plus
+the round trip of an empty TorchScript RPC.
+
+Run: ``python benchmarks/rpc_step.py [--repeats N] [--threads N] [--markdown]``
+"""
+import argparse
+import logging
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+# The folder of this file holds functional.py, which would hide the ``functional`` package;
+# import this folder's helpers as ``benchmarks._rpc_world`` from the repository root instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+if _ROOT not in [os.path.abspath(p or os.curdir) for p in sys.path]:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed.autograd as dist_autograd  # noqa: E402
+import torch.distributed.optim as torch_dist_optim  # noqa: E402
+import torch.distributed.rpc as rpc  # noqa: E402
+
+import distopt  # noqa: E402
+from benchmarks import _rpc_world as world  # noqa: E402
+
+logger = logging.getLogger("benchmarks.rpc_step")
+
+LIBRARIES = {"distopt": distopt.DistributedOptimizer, "torch": torch_dist_optim.DistributedOptimizer}
+ADAM = {"lr": 1e-3}
+
+# name -> [(owner, count, numel)]
+CASES: Dict[str, List[Tuple[str, int, int]]] = {
+    "large": [("owner1", 1, 4 * 1024 * 1024)],
+    "small": [("owner1", 64, 1024), ("owner2", 64, 1024)],
+    "many": [("owner1", 1000, 32), ("owner2", 1000, 32)],
+}
+BUSY_CASES: Dict[str, List[Tuple[str, int, int]]] = {
+    "many": [("owner1", 2000, 32)],
+    "small": [("owner1", 64, 1024)],
+}
+TARGETS = {"large": 0.35, "small": 0.5, "many": 0.35}
+BUSY_TARGET = 1.5
+
+
+class ParamSets:
+    """Parameter sets created on owners, each known there by a name."""
+
+    def __init__(self, tag: str, layout: List[Tuple[str, int, int]], fill: Optional[float] = None):
+        self.names: List[Tuple[str, str]] = []
+        self.rrefs: List[rpc.RRef] = []
+        for owner, count, numel in layout:
+            name = f"{tag}@{owner}"
+            self.rrefs += rpc.rpc_sync(owner, world.create, args=(name, count, numel, fill))
+            self.names.append((owner, name))
+
+    def forward_backward(self, ctx: int) -> None:
+        """The cheap loss: every element summed; each gradient is ones."""
+        losses = [rpc.rpc_sync(owner, world.set_sum, args=(name,)) for owner, name in self.names]
+        dist_autograd.backward(ctx, [torch.stack(losses).sum()])
+
+    def values(self) -> List[torch.Tensor]:
+        out: List[torch.Tensor] = []
+        for owner, name in self.names:
+            out += rpc.rpc_sync(owner, world.set_values, args=(name,))
+        return out
+
+    def drop(self) -> None:
+        for owner, name in self.names:
+            rpc.rpc_sync(owner, world.drop, args=(name,))
+        self.rrefs = []
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def time_steps(lib: type, optim_cls: type, sets: ParamSets, repeats: int, warmup: int = 3) -> float:
+    """Median wall time of ``opt.step(ctx)`` in ms, a fresh context per step."""
+    opt = lib(optim_cls, sets.rrefs, **ADAM)
+    samples = []
+    for i in range(warmup + repeats):
+        with dist_autograd.context() as ctx:
+            sets.forward_backward(ctx)
+            start = time.perf_counter()
+            opt.step(ctx)
+            elapsed = time.perf_counter() - start
+        if i >= warmup:
+            samples.append(elapsed)
+    del opt
+    return median_ms(samples)
+
+
+def try_time_steps(lib: type, optim_cls: type, sets: ParamSets, repeats: int) -> float:
+    """``time_steps``, or NaN (logged) when that optimizer fails: the report goes on."""
+    try:
+        return time_steps(lib, optim_cls, sets, repeats)
+    except Exception as exc:  # a broken path must not hide the other measurements
+        logger.error("%s(%s) failed: %s", lib.__module__, optim_cls.__name__, exc)
+        return float("nan")
+
+
+def owner_side_ms(sets: ParamSets, repeats: int, warmup: int = 3) -> float:
+    """Median time of distopt's owner-side step on owner1 alone (its RPC and trainer excluded).
+
+    Uses distopt internals (``remote_optimizers``); NaN when they are not there.
+    """
+    try:
+        opt = distopt.DistributedOptimizer(torch.optim.Adam, sets.rrefs, **ADAM)
+        local = [r for r in opt.remote_optimizers if r.owner_name() == "owner1"][0]
+        samples = []
+        for i in range(warmup + repeats):
+            with dist_autograd.context() as ctx:
+                sets.forward_backward(ctx)
+                seconds = rpc.rpc_sync("owner1", world.timed_owner_step, args=(local, ctx))
+            if i >= warmup:
+                samples.append(seconds)
+        return median_ms(samples)
+    except Exception as exc:
+        logger.error("owner-side probe failed: %s", exc)
+        return float("nan")
+
+
+def local_fused_adam_ms(count: int, numel: int, repeats: int) -> float:
+    """Median fused torch.optim.Adam step over ``count`` x ``numel`` elements, in this process."""
+    params = [torch.randn(numel).requires_grad_() for _ in range(count)]
+    for p in params:
+        p.grad = torch.ones(numel)
+    opt = torch.optim.Adam(params, fused=True, **ADAM)
+    opt.step()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        samples.append(time.perf_counter() - start)
+    return median_ms(samples)
+
+
+def round_trip_ms(func: Callable[[int], int], repeats: int = 200) -> float:
+    """Median round trip of an RPC to owner1 that does nothing."""
+    for _ in range(10):
+        rpc.rpc_sync("owner1", func, args=(0,))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rpc.rpc_sync("owner1", func, args=(0,))
+        samples.append(time.perf_counter() - start)
+    return median_ms(samples)
+
+
+def concurrent_run(lib: type, threads: int, steps: int) -> Dict[str, float]:
+    """``threads`` trainers stepping the same parameters of ones with SGD lr=1."""
+    count, numel = 64, 1024
+    sets = ParamSets(f"conc-{lib.__module__}", [("owner1", count, numel)], fill=1.0)
+    opts = [lib(torch.optim.SGD, sets.rrefs, lr=1.0) for _ in range(threads)]
+    errors: List[BaseException] = []
+    barrier = threading.Barrier(threads + 1)
+
+    def trainer(opt) -> None:
+        try:
+            barrier.wait()
+            for _ in range(steps):
+                with dist_autograd.context() as ctx:
+                    sets.forward_backward(ctx)
+                    opt.step(ctx)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=trainer, args=(o,)) for o in opts]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    expected = 1.0 - threads * steps
+    values = sets.values()
+    short = sum(float((v - expected).sum()) for v in values)
+    elements_short = sum(int((v != expected).sum()) for v in values)
+    total = threads * steps * count * numel
+    sets.drop()
+    return {
+        "steps_per_s": threads * steps / wall,
+        "lost": short,
+        "lost_pct": 100.0 * short / total,
+        "elements_short_pct": 100.0 * elements_short / (count * numel),
+    }
+
+
+def busy_ratio(lib: type, optim_cls: type, sets: ParamSets, repeats: int) -> Tuple[float, float]:
+    """(idle ms, busy ms): the step without and with a spinning Python thread on owner1."""
+    idle = try_time_steps(lib, optim_cls, sets, repeats)
+    rpc.rpc_sync("owner1", world.start_spinner)
+    try:
+        busy = try_time_steps(lib, optim_cls, sets, repeats)
+    finally:
+        rpc.rpc_sync("owner1", world.stop_spinner)
+    return idle, busy
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Report(list):
+    """The report's lines, printed as they come so that a failure keeps what was measured."""
+
+    def append(self, line: str) -> None:
+        super().append(line)
+        print(line, flush=True)
+
+
+def run(options: argparse.Namespace) -> List[str]:
+    """Every measurement; prints the report's lines as they come, and returns them."""
+    lines: List[str] = _Report()
+    md = options.markdown
+    echo_script = round_trip_ms(world.script_echo)
+    echo_python = round_trip_ms(world.python_echo)
+
+    def row(*cells: str) -> None:
+        lines.append("| " + " | ".join(cells) + " |" if md else "  ".join(cells))
+
+    lines.append(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"3 processes, 1 thread each; Adam lr=1e-3; medians of {options.repeats} steps"
+    )
+    lines.append(
+        f"empty RPC round trip: TorchScript {echo_script * 1e3:.0f} us, Python "
+        f"{echo_python * 1e3:.0f} us"
+    )
+    lines.append("")
+    if md:
+        row("case", "distopt ms", "torch ms", "distopt/torch", "target", "floor ms",
+            "distopt owner1 ms", "met")
+        row("---", "---:", "---:", "---:", "---:", "---:", "---:", "---")
+    else:
+        row(f"{'case':8}", f"{'distopt ms':>10}", f"{'torch ms':>9}", f"{'ratio':>6}",
+            f"{'target':>7}", f"{'floor ms':>9}", f"{'owner1 ms':>9}", "met")
+    for case, layout in CASES.items():
+        if options.only and case not in options.only:
+            continue
+        sets = ParamSets(case, layout)
+        ms = {name: try_time_steps(lib, torch.optim.Adam, sets, options.repeats)
+              for name, lib in LIBRARIES.items()}
+        owner_ms = owner_side_ms(sets, options.repeats)
+        sets.drop()
+        count, numel = max(((c, n) for _, c, n in layout), key=lambda cn: cn[0] * cn[1])
+        floor = local_fused_adam_ms(count, numel, options.repeats) + echo_script
+        ratio = ms["distopt"] / ms["torch"]
+        met = "yes" if ratio <= TARGETS[case] else "NO"
+        shape = " + ".join(f"{c}x{n}@{o}" for o, c, n in layout)
+        label = f"{case} ({shape})" if md else f"{case:8}"
+        row(label, f"{ms['distopt']:10.2f}", f"{ms['torch']:9.2f}", f"{ratio:6.2f}",
+            f"<= {TARGETS[case]:.2f}", f"{floor:9.2f}", f"{owner_ms:9.2f}", met)
+        logger.info("%s done", case)
+
+    if not options.only or "concurrent" in options.only:
+        lines.append("")
+        lines.append(
+            f"concurrent: {options.threads} trainer threads x {options.concurrent_steps} SGD "
+            f"steps (lr=1) on the same 64x1024 ones on owner1"
+        )
+        results = {name: concurrent_run(lib, options.threads, options.concurrent_steps)
+                   for name, lib in LIBRARIES.items()}
+        if md:
+            row("library", "steps/s", "lost element updates", "% of updates",
+                "% of elements short")
+            row("---", "---:", "---:", "---:", "---:")
+        else:
+            row(f"{'library':8}", f"{'steps/s':>8}", f"{'lost':>12}", f"{'% upd':>7}",
+                f"{'% elem short':>12}")
+        for name, r in results.items():
+            row(f"{name:8}", f"{r['steps_per_s']:8.1f}", f"{r['lost']:12.0f}",
+                f"{r['lost_pct']:7.3f}", f"{r['elements_short_pct']:12.2f}")
+        d, t = results["distopt"], results["torch"]
+        met = d["steps_per_s"] >= t["steps_per_s"] and d["lost"] == 0
+        lines.append(
+            f"throughput distopt/torch {d['steps_per_s'] / t['steps_per_s']:.2f} "
+            f"(target >= 1 with 0 lost): {'yes' if met else 'NO'}"
+        )
+        logger.info("concurrent done")
+
+    if not options.only or "busy" in options.only:
+        lines.append("")
+        if options.owner_switch_interval is not None:
+            for owner in ("owner1", "owner2"):
+                rpc.rpc_sync(owner, world.set_switch_interval,
+                             args=(options.owner_switch_interval,))
+        lines.append(
+            "busy owner: a pure-Python thread spins on owner1 (all parameters there); "
+            f"owner GIL switch interval "
+            f"{options.owner_switch_interval or sys.getswitchinterval()} s"
+        )
+        rpc.rpc_sync("owner1", world.start_spinner)
+        try:
+            busy_script, busy_python = round_trip_ms(world.script_echo, 50), \
+                round_trip_ms(world.python_echo, 50)
+        finally:
+            rpc.rpc_sync("owner1", world.stop_spinner)
+        lines.append(
+            f"empty RPC round trip idle -> busy: TorchScript {echo_script:.2f} -> "
+            f"{busy_script:.2f} ms, Python {echo_python:.2f} -> {busy_python:.2f} ms"
+        )
+        if md:
+            row("case", "path", "idle ms", "busy ms", "busy/idle", "target")
+            row("---", "---", "---:", "---:", "---:", "---:")
+        paths = [
+            ("distopt", distopt.DistributedOptimizer, torch.optim.Adam),
+            ("distopt eager", distopt.DistributedOptimizer, world.EagerAdam),
+            ("torch functional", torch_dist_optim.DistributedOptimizer, torch.optim.Adam),
+            ("torch eager", torch_dist_optim.DistributedOptimizer, world.EagerAdam),
+        ]
+        for case, layout in BUSY_CASES.items():
+            sets = ParamSets(f"busy-{case}", layout)
+            for label, lib, cls in paths:
+                idle, busy = busy_ratio(lib, cls, sets, options.repeats)
+                target = f"<= {BUSY_TARGET}" if label == "distopt" else ""
+                shape = f"{layout[0][1]}x{layout[0][2]}"
+                row(f"{case} ({shape})", f"{label:16}", f"{idle:8.2f}", f"{busy:8.2f}",
+                    f"{busy / idle:5.2f}x", target)
+            sets.drop()
+        logger.info("busy done")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--threads", type=int, default=4, help="concurrent trainer threads")
+    parser.add_argument("--concurrent-steps", type=int, default=100, help="steps per thread")
+    parser.add_argument("--only", default="", help="comma-separated: large,small,many,concurrent,busy")
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    parser.add_argument(
+        "--owner-switch-interval", type=float, default=None,
+        help="set the owners' sys.setswitchinterval (seconds) before the busy-owner runs",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    options = parser.parse_args(argv)
+    options.only = [s for s in options.only.split(",") if s]
+    for name in ("repeats", "threads", "concurrent_steps"):
+        if getattr(options, name) < 1:
+            parser.error(f"Invalid --{name.replace('_', '-')}: {getattr(options, name)!r} (expected >= 1)")
+    logging.basicConfig(level=logging.INFO if options.verbose else logging.WARNING)
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated")
+
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    owners = [ctx.Process(target=world.run_owner, args=(rank, 3, port), daemon=True)
+              for rank in (1, 2)]
+    for proc in owners:
+        proc.start()
+    torch.set_num_threads(1)
+    rpc.init_rpc("trainer", rank=0, world_size=3, rpc_backend_options=world.backend_options(port))
+    try:
+        run(options)
+    finally:
+        rpc.shutdown()
+        for proc in owners:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Starting an example's RPC world: every process on this machine, or one role per process.
+
+Each example has a fixed world: a list of worker names, rank ``i`` taking ``names[i]``.
+
+- One machine (the default): ``run`` spawns one process per name with
+  ``torch.multiprocessing`` and rendezvouses them on a free port of 127.0.0.1.
+- Several machines: when ``RANK`` and ``WORLD_SIZE`` are in the environment (``torchrun``
+  sets them, or set them yourself with ``MASTER_ADDR`` and ``MASTER_PORT``), ``run`` starts
+  only this process's role and rendezvouses through ``env://``.
+"""
+import logging
+import os
+import socket
+import sys
+import warnings
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+#: A role: ``role(name, options)`` runs between ``init_rpc`` and ``rpc.shutdown``.
+Role = Callable[[str, Any], None]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env_rank() -> Optional[Tuple[int, int]]:
+    """``(RANK, WORLD_SIZE)`` from the environment, or None when this is a local run."""
+    rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or size is None:
+        return None
+    return int(rank), int(size)
+
+
+def run(names: Sequence[str], role: Role, options: Any, rpc_timeout: float = 120.0) -> None:
+    """Run ``role`` in every process of the world named ``names``.
+
+    Args:
+        names: one worker name per rank.
+        role: called as ``role(name, options)`` in each process once RPC is up; RPC is shut
+            down (gracefully: every worker waits for the others) when it returns.
+        options: the parsed command line, passed to every role (it must pickle).
+        rpc_timeout: seconds before an RPC fails.
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` or ``RANK`` from the environment does not fit ``names``.
+    """
+    from_env = env_rank()
+    if from_env is None:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        mp.spawn(
+            _run_rank,
+            args=(list(names), role, options, init_method, rpc_timeout),
+            nprocs=len(names),
+            join=True,
+        )
+        return
+    rank, size = from_env
+    if size != len(names):
+        raise ValueError(
+            f"Invalid WORLD_SIZE: {size!r} (expected {len(names)}: one process per role "
+            f"{list(names)!r})"
+        )
+    if not 0 <= rank < size:
+        raise ValueError(f"Invalid RANK: {rank!r} (expected 0 <= RANK < {size})")
+    _run_rank(rank, list(names), role, options, "env://", rpc_timeout)
+
+
+def _run_rank(
+    rank: int, names: Sequence[str], role: Role, options: Any, init_method: str, timeout: float
+) -> None:
+    # Several processes share few cores: one OpenMP thread each, or they oversubscribe.
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # init_rpc's start-up barrier uses a deprecated torch.distributed call; not ours to fix.
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    rpc.init_rpc(
+        names[rank],
+        rank=rank,
+        world_size=len(names),
+        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+            init_method=init_method, num_worker_threads=16, rpc_timeout=timeout
+        ),
+    )
+    try:
+        role(names[rank], options)
+    finally:
+        rpc.shutdown()

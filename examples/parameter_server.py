@@ -1,0 +1,242 @@
+"""A parameter server and several trainer processes training one model concurrently.
+
+The server (``ps``) holds a small MLP. Each trainer (``trainer1`` .. ``trainerN``), in its own
+process and at its own pace, repeats: pull the current parameters from the server, run
+forward and backward locally on its own synthetic batch inside a
+``torch.distributed.autograd`` context (the gradients flow back to the server's
+parameters), and step its own ``distopt.DistributedOptimizer`` over the server's
+parameters. The server updates under per-parameter locks, so concurrent trainers lose no
+update. The data: inputs ``x ~ N(0, 1)``, targets from a fixed random "teacher" MLP plus a
+little noise; the loss is the mean squared error.
+
+One machine (spawns the server and the trainers on 127.0.0.1, a free port)::
+
+    python examples/parameter_server.py
+    python examples/parameter_server.py --trainers 3 --optimizer Adagrad --lr 0.05
+
+Several machines: one process per role with ``torchrun`` (rank 0 is the server, ranks
+1..N the trainers; ``WORLD_SIZE`` must be ``--trainers`` + 1)::
+
+    torchrun --nnodes 3 --nproc-per-node 1 --node-rank R \\
+        --master-addr HOST0 --master-port 29500 examples/parameter_server.py --trainers 2
+
+or set ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` yourself and run
+``python examples/parameter_server.py`` on each machine, with the same options everywhere.
+"""
+import argparse
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    import distopt
+except ImportError:  # running from a clone that is not installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import distopt
+
+import _launch
+
+
+def mlp(in_features: int, hidden: int, seed: int) -> nn.Sequential:
+    """``in_features -> hidden -> hidden -> 1`` with tanh, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(in_features, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, 1),
+    )
+
+
+def forward(params: List[Tensor], x: Tensor) -> Tensor:
+    """The MLP of ``mlp`` with its parameters given as a list, in ``parameters()`` order."""
+    w1, b1, w2, b2, w3, b3 = params
+    h = torch.tanh(F.linear(x, w1, b1))
+    h = torch.tanh(F.linear(h, w2, b2))
+    return F.linear(h, w3, b3)
+
+
+# ---------------------------------------------------------------- on the server
+
+
+def pull(model_rref: rpc.RRef) -> List[Tensor]:
+    """RPC target: views of the model's parameters.
+
+    Called inside a distributed autograd context, the trainer receives copies that are tied
+    to these parameters: the gradients of its backward pass arrive here. Views, because RPC
+    pickles an ``nn.Parameter`` as its detached data, which would cut that tie.
+    """
+    return [p.view_as(p) for p in model_rref.local_value().parameters()]
+
+
+def held_out_loss(model: nn.Module, options: argparse.Namespace) -> float:
+    """The model's loss on a fixed batch no trainer ever sees."""
+    x, y = synthetic_batch(options, torch.Generator().manual_seed(10_000), 1024)
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def serve(options: argparse.Namespace) -> None:
+    """The server's role: hold the model, start every trainer, report when all are done."""
+    model = mlp(options.features, options.hidden, options.seed)
+    model_rref = rpc.RRef(model)
+    param_rrefs = [rpc.RRef(p) for p in model.parameters()]
+    before = held_out_loss(model, options)
+    print(
+        f"ps: MLP {options.features}-{options.hidden}-{options.hidden}-1, "
+        f"{sum(p.numel() for p in model.parameters())} parameters; "
+        f"{options.trainers} trainers; {options.optimizer}(lr={options.lr}); "
+        f"held-out loss {before:.4f}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    futures = {
+        f"trainer{i}": rpc.rpc_async(
+            f"trainer{i}", run_trainer, args=(model_rref, param_rrefs, options), timeout=0
+        )
+        for i in range(1, options.trainers + 1)
+    }
+    reports = {name: fut.wait() for name, fut in futures.items()}
+    wall = time.perf_counter() - start
+
+    after = held_out_loss(model, options)
+    print(
+        f"{'trainer':10} {'steps':>6} {'final loss':>11} {'steps/s':>8} {'samples/s':>10} "
+        f"{'compiled':>9}"
+    )
+    for name, r in reports.items():
+        print(
+            f"{name:10} {r['steps']:6d} {r['final_loss']:11.4f} {r['steps_per_s']:8.1f} "
+            f"{r['steps_per_s'] * options.batch_size:10.0f} {str(r['compiled']):>9}"
+        )
+    total_steps = sum(r["steps"] for r in reports.values())
+    print(
+        f"all: {total_steps} steps in {wall:.1f} s = {total_steps / wall:.1f} steps/s, "
+        f"{total_steps * options.batch_size / wall:.0f} samples/s",
+        flush=True,
+    )
+    print(f"held-out loss: before {before:.4f} -> after {after:.4f}", flush=True)
+
+
+# ---------------------------------------------------------------- on each trainer
+
+
+def synthetic_batch(options: argparse.Namespace, gen: torch.Generator, size: int):
+    """``size`` inputs and their targets: the teacher's output plus noise."""
+    teacher = _teacher(options)
+    x = torch.randn(size, options.features, generator=gen)
+    with torch.no_grad():
+        y = teacher(x) + 0.01 * torch.randn(size, 1, generator=gen)
+    return x, y
+
+
+_teachers: Dict[tuple, nn.Module] = {}
+
+
+def _teacher(options: argparse.Namespace) -> nn.Module:
+    # The same teacher in every process: built from a fixed seed, once per process.
+    key = (options.features, options.hidden)
+    if key not in _teachers:
+        _teachers[key] = mlp(options.features, options.hidden, seed=12_345)
+    return _teachers[key]
+
+
+def run_trainer(
+    model_rref: rpc.RRef, param_rrefs: List[rpc.RRef], options: argparse.Namespace
+) -> Dict[str, Any]:
+    """RPC target, run on a trainer: train ``options.steps`` steps, return what happened."""
+    name = rpc.get_worker_info().name
+    rank = int(name[len("trainer") :])
+    gen = torch.Generator().manual_seed(options.seed + rank)
+    opt = distopt.DistributedOptimizer(
+        optimizer_class(options.optimizer), param_rrefs, lr=options.lr
+    )
+    losses: List[float] = []
+    start = time.perf_counter()
+    for step in range(1, options.steps + 1):
+        x, y = synthetic_batch(options, gen, options.batch_size)
+        with dist_autograd.context() as ctx:
+            params = rpc.rpc_sync(model_rref.owner(), pull, args=(model_rref,))
+            loss = F.mse_loss(forward(params, x), y)
+            dist_autograd.backward(ctx, [loss])
+            opt.step(ctx)
+        losses.append(loss.item())
+        if step % options.log_every == 0 or step == options.steps:
+            recent = losses[-options.log_every :]
+            print(f"{name} step {step:5d}  loss {sum(recent) / len(recent):.4f}", flush=True)
+    elapsed = time.perf_counter() - start
+    k = min(10, len(losses))
+    return {
+        "steps": options.steps,
+        "final_loss": sum(losses[-k:]) / k,
+        "steps_per_s": options.steps / elapsed,
+        "compiled": opt.is_functional_optim,
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def optimizer_class(name: str) -> type:
+    """The torch.optim class called ``name``."""
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"Invalid optimizer: {name!r} (expected a torch.optim class name)")
+    if cls is torch.optim.LBFGS:
+        raise ValueError("Invalid optimizer: 'LBFGS' (expected one without a closure)")
+    if cls is torch.optim.SparseAdam:
+        raise ValueError("Invalid optimizer: 'SparseAdam' (expected one for dense gradients)")
+    return cls
+
+
+def role(name: str, options: argparse.Namespace) -> None:
+    """The server drives everything; trainers run what it sends them."""
+    if name == "ps":
+        serve(options)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--trainers", type=int, default=2, help="trainer processes")
+    parser.add_argument("--steps", type=int, default=300, help="steps per trainer")
+    parser.add_argument(
+        "--optimizer", default="Adam", help="any torch.optim class name (not LBFGS, SparseAdam)"
+    )
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per step")
+    parser.add_argument("--features", type=int, default=16, help="input size")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden layer size")
+    parser.add_argument("--log-every", type=int, default=100, help="steps between progress lines")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    options = parser.parse_args(argv)
+    for name in ("trainers", "steps", "batch_size", "features", "hidden", "log_every"):
+        if getattr(options, name) < 1:
+            parser.error(
+                f"Invalid --{name.replace('_', '-')}: {getattr(options, name)!r} (expected >= 1)"
+            )
+    try:
+        optimizer_class(options.optimizer)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return options
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    options = parse_args(argv)
+    names = ["ps"] + [f"trainer{i}" for i in range(1, options.trainers + 1)]
+    _launch.run(names, role, options)
+
+
+if __name__ == "__main__":
+    main()

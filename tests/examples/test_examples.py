@@ -1,0 +1,72 @@
+"""Each example runs end to end, as a user would start it, with tiny settings."""
+import os
+import re
+import subprocess
+import sys
+from typing import List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT_S = 120
+
+
+def run_example(script: str, args: List[str]) -> str:
+    """Run ``examples/<script>`` in a fresh interpreter; returns its output, fails on exit code."""
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a local run, whatever launched pytest
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{output}"
+    return output
+
+
+def test_model_parallel_rnn_loss_falls() -> None:
+    out = run_example(
+        "model_parallel_rnn.py", ["--steps", "40", "--log-every", "20", "--hidden", "64"]
+    )
+    match = re.search(r"loss: first ([\d.]+) -> final ([\d.]+)", out)
+    assert match, out
+    first, final = float(match.group(1)), float(match.group(2))
+    assert final < first, out
+    assert "compiled: True" in out
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "NAdam"])  # NAdam: not compiled by torch's version
+def test_parameter_server(optimizer: str) -> None:
+    out = run_example(
+        "parameter_server.py", ["--steps", "30", "--log-every", "10", "--optimizer", optimizer]
+    )
+    for trainer in ("trainer1", "trainer2"):
+        assert re.search(rf"^{trainer} +30 ", out, re.MULTILINE), out
+    match = re.search(r"held-out loss: before ([\d.]+) -> after ([\d.]+)", out)
+    assert match and float(match.group(2)) < float(match.group(1)), out
+    assert "samples/s" in out
+
+
+def test_custom_optimizer_is_compiled_and_equals_eager() -> None:
+    out = run_example("custom_optimizer.py", ["--steps", "20"])
+    assert "is_functional_optim = True" in out, out
+    assert "results equal: yes" in out, out
+
+
+def test_bad_optimizer_name_is_rejected() -> None:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "parameter_server.py"),
+         "--optimizer", "LBFGS"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 2
+    assert "Invalid optimizer: 'LBFGS'" in proc.stderr
