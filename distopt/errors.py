@@ -1,8 +1,9 @@
 """What goes wrong on owners, and how the trainer reports it: one error naming every worker."""
 import dataclasses
+import functools
 import logging
 import pickle
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -81,3 +82,19 @@ class RemoteFailure:
     def as_exception(self) -> BaseException:
         """The owner's exception, or a RuntimeError carrying its message."""
         return self.exception if self.exception is not None else RuntimeError(self.message)
+
+
+def returns_failure(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an RPC target so that any exception it raises comes back as a RemoteFailure.
+
+    The wrapper keeps the target's name, so RPC still pickles it by reference.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            return RemoteFailure.from_exception(exc)
+
+    return wrapper

@@ -1,31 +1,70 @@
 """The trainer's side: DistributedOptimizer groups parameters by owner and fans steps out."""
+import dataclasses
 import inspect
 import logging
 import operator
-from typing import Any, Dict, Iterable, List, Tuple
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch._C._distributed_rpc import PyRRef
-from torch.futures import Future
+from torch import Tensor
 
-from distopt import owner
-from distopt.errors import RemoteFailure, compose_error, transport_message
+from distopt import checkpoint, clipping, owner, state
+from distopt.errors import compose_error
+from distopt.fanout import call_async, wait_all
+from distopt.param_groups import (
+    as_keywords,
+    normalize_param_groups,
+    pending_changes,
+    signature_defaults,
+    snapshot,
+)
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)
 
 
-class DistributedOptimizer:
+@dataclasses.dataclass
+class OwnerPart:
+    """What the trainer keeps about one owner's local optimizer.
+
+    Attributes:
+        info: the owner.
+        rref: its local optimizer.
+        groups: the global param group of each of its local groups.
+        indices: for each local group, the global indices of its parameters.
+    """
+
+    info: rpc.WorkerInfo
+    rref: rpc.RRef
+    groups: List[int]
+    indices: List[List[int]]
+
+    @property
+    def name(self) -> str:
+        """The owner's worker name."""
+        return self.info.name
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
     r"""An optimizer over parameters held by several RPC workers, each updating its own.
 
     A drop-in for :class:`torch.distributed.optim.DistributedOptimizer`: same arguments,
-    same ``step(context_id)``, same ``is_functional_optim``. Each owner gets one local
-    optimizer over its parameters. When ``optimizer_class`` has a functional stand-in in
+    same ``step(context_id)``, same ``is_functional_optim``; and, like a torch.optim
+    optimizer, param groups, ``param_groups``, ``state_dict`` / ``load_state_dict``, and
+    :mod:`torch.optim.lr_scheduler` support. Each owner gets one local optimizer over its
+    parameters of every group. When ``optimizer_class`` has a functional stand-in in
     ``functional.functional_optim_map`` the local optimizer is compiled with TorchScript and
     steps without the GIL, reading the gradients straight from the autograd context;
     otherwise ``optimizer_class`` itself runs eagerly, fed through ``.grad``.
+
+    ``param_groups`` is a list of dicts as in torch.optim (``params`` holds the RRefs).
+    Changing a hyper-parameter there (``lr``, ``momentum``, ``betas``, ``weight_decay``...)
+    takes effect on every owner at the next ``step``, sent with that step's RPC; nothing is
+    recompiled. A compiled optimizer can change only the keys its functional class accepts
+    in ``set_hyperparameter``; changing another raises ValueError at the next step.
 
     Every step of every local optimizer holds the locks of the parameters it updates, so any
     number of trainers, each with its own DistributedOptimizer over the same parameters,
@@ -33,34 +72,50 @@ class DistributedOptimizer:
     torch's version, nothing orders one trainer's forward, backward and step against
     another's.
 
+    Parameters are numbered in the order given, flattened over the groups, as torch.optim
+    numbers them in its ``state_dict``.
+
     Args:
         optimizer_class: a :class:`torch.optim.Optimizer` subclass, or any class registered in
             ``functional.functional_optim_map``.
-        params_rref: RRefs to the parameters to optimize, local or remote.
+        params_rref: RRefs to the parameters to optimize, local or remote; or param group
+            dicts, ``{"params": [rref, ...], "lr": ...}``, as torch.optim takes them.
         *args: positional arguments for the optimizer, given after the parameters.
-        **kwargs: keyword arguments for the optimizer.
+        **kwargs: keyword arguments for the optimizer: the defaults of every group.
 
     Raises:
         TypeError: ``optimizer_class`` is not an optimizer class, or an item of
             ``params_rref`` is not an RRef.
-        ValueError: ``params_rref`` is empty.
+        ValueError: ``params_rref`` is empty, or a group has no parameters.
         DistributedOptimizerError: some owners failed to create their optimizer (for
             instance they rejected the arguments); those created elsewhere are released.
 
     Example::
 
+        >>> opt = DistributedOptimizer(
+        ...     torch.optim.Adam, [{"params": enc_rrefs}, {"params": dec_rrefs, "lr": 1e-4}],
+        ...     lr=1e-3)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
         >>> with dist_autograd.context() as context_id:
-        ...     loss = rpc.rpc_sync("worker1", forward, args=(param_rref, x))
+        ...     loss = rpc.rpc_sync("worker1", forward, args=(enc_rrefs, x))
         ...     dist_autograd.backward(context_id, [loss])
-        ...     opt = DistributedOptimizer(torch.optim.Adam, [param_rref], lr=1e-3)
+        ...     opt.clip_grad_norm_(context_id, max_norm=1.0)
         ...     opt.step(context_id)
+        >>> sched.step()
+        >>> opt.save("/shared/ckpt")
     """
 
     def __init__(
-        self, optimizer_class: type, params_rref: Iterable[rpc.RRef], *args: Any, **kwargs: Any
+        self,
+        optimizer_class: type,
+        params_rref: Iterable[Union[rpc.RRef, Dict[str, Any]]],
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
         _check_optimizer_class(optimizer_class)
-        rrefs = _check_params_rref(params_rref)
+        user_groups = normalize_param_groups(params_rref)
+        self._init_optimizer_fields()
+        self.optimizer_class = optimizer_class
 
         functional_cls = functional_optim_map.get(optimizer_class)
         # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
@@ -68,34 +123,113 @@ class DistributedOptimizer:
         self.is_functional_optim = functional_cls is not None and (
             jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
         )
+
+        # Global numbering: the order given, flattened over the groups.
+        by_owner: Dict[str, Tuple[rpc.WorkerInfo, Dict[int, Tuple[list, list]]]] = {}
+        group_indices: List[List[int]] = []
+        n = 0
+        for g, group in enumerate(user_groups):
+            group_indices.append(list(range(n, n + len(group["params"]))))
+            for rref in group["params"]:
+                info = rref.owner()
+                parts = by_owner.setdefault(info.name, (info, {}))[1]
+                rrefs, indices = parts.setdefault(g, ([], []))
+                rrefs.append(rref)
+                indices.append(n)
+                n += 1
+        self._group_indices = group_indices
+
+        def specs(parts: Dict[int, Tuple[list, list]]) -> List[owner.GroupSpec]:
+            return [
+                (rrefs, indices, {k: v for k, v in user_groups[g].items() if k != "params"})
+                for g, (rrefs, indices) in parts.items()
+            ]
+
         if self.is_functional_optim:
-            new_local, ctor = owner.new_compiled_local_optimizer, functional_cls
+            call_args, call_kwargs = as_keywords(optimizer_class, args, kwargs)
+            calls = {
+                name: (info, owner.new_compiled_local_optimizer,
+                       (functional_cls, optimizer_class, specs(parts), call_args, call_kwargs))
+                for name, (info, parts) in by_owner.items()
+            }
         else:
             logger.info("%s runs eagerly on its owners (no functional stand-in)", optimizer_class)
-            new_local, ctor = owner.new_eager_local_optimizer, optimizer_class
-
-        by_owner: Dict[str, Tuple[rpc.WorkerInfo, List[rpc.RRef]]] = {}
-        for rref in rrefs:
-            info = rref.owner()
-            by_owner.setdefault(info.name, (info, []))[1].append(rref)
-
-        futures = {
-            name: _call_async(info, new_local, (ctor, params) + args, kwargs)
-            for name, (info, params) in by_owner.items()
-        }
-        results, failures, causes = _wait_all(futures)
-        created = [r for r in results.values() if isinstance(r, PyRRef)]
+            calls = {
+                name: (info, owner.new_eager_local_optimizer,
+                       (optimizer_class, specs(parts), args, kwargs))
+                for name, (info, parts) in by_owner.items()
+            }
+        futures = {name: call_async(to, f, a, {}) for name, (to, f, a) in calls.items()}
+        results, failures, causes = wait_all(futures)
+        created = [r[0] for r in results.values()]
         if failures:
             _release(created)
             del created, results, futures  # the traceback must not keep the RRefs alive
             raise compose_error("construction", failures) from causes[0]
-        self.remote_optimizers: List[rpc.RRef] = created
 
-    def step(self, context_id: int) -> None:
+        self._owners: List[OwnerPart] = []
+        described: Dict[int, Dict[str, Any]] = {}
+        shapes: Dict[int, Tuple[int, ...]] = {}
+        dtypes: Dict[int, torch.dtype] = {}
+        settable: Optional[List[str]] = None
+        eager_defaults: Optional[Dict[str, Any]] = None
+        for name, (rref, info) in results.items():
+            parts = by_owner[name][1]
+            part = OwnerPart(
+                by_owner[name][0], rref, list(parts), [indices for _, indices in parts.values()]
+            )
+            self._owners.append(part)
+            for j, g in enumerate(part.groups):
+                described.setdefault(g, info["hyper"][j])
+                for i, shape, dtype in zip(part.indices[j], info["shapes"][j], info["dtypes"][j]):
+                    shapes[i] = torch.Size(shape)
+                    dtypes[i] = dtype
+            settable = info["settable"] if settable is None else settable
+            eager_defaults = info["defaults"] if eager_defaults is None else eager_defaults
+        self.remote_optimizers: List[rpc.RRef] = [part.rref for part in self._owners]
+        self._param_shapes: List[torch.Size] = [shapes[i] for i in range(n)]
+        self._param_dtypes: List[torch.dtype] = [dtypes[i] for i in range(n)]
+        self._settable: Optional[List[str]] = settable
+        self._hyper_keys: List[str] = list(described[0])
+
+        for g, group in enumerate(user_groups):
+            extra = {k: v for k, v in group.items() if k != "params" and k not in described[g]}
+            self.param_groups.append({"params": group["params"], **described[g], **extra})
+        if eager_defaults is not None:
+            self.defaults = eager_defaults
+        else:
+            self.defaults = signature_defaults(
+                optimizer_class, args, kwargs, self._hyper_keys
+            ) or {k: v for k, v in described[0].items() if k not in user_groups[0]}
+        self._sent: List[Dict[str, Any]] = [
+            {k: snapshot(group[k]) for k in self._hyper_keys} for group in self.param_groups
+        ]
+
+    def _init_optimizer_fields(self) -> None:
+        """What torch.optim.Optimizer's constructor sets, without its checks on tensors.
+
+        The parameters are RRefs, so Optimizer.__init__ cannot take them; schedulers and
+        the step hooks need only these fields.
+        """
+        self.defaults: Dict[str, Any] = {}
+        self._optimizer_step_pre_hooks: Dict[int, Any] = {}
+        self._optimizer_step_post_hooks: Dict[int, Any] = {}
+        self._optimizer_state_dict_pre_hooks: Dict[int, Any] = {}
+        self._optimizer_state_dict_post_hooks: Dict[int, Any] = {}
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Any] = {}
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Any] = {}
+        self._patch_step_function()
+        #: Always empty: the state lives on the owners (see ``state_dict``).
+        self.state: Dict[Any, Any] = defaultdict(dict)
+        self.param_groups: List[Dict[str, Any]] = []
+        self._warned_capturable_if_run_uncaptured = True
+
+    def step(self, context_id: int) -> None:  # type: ignore[override]
         """Step every owner's local optimizer with the gradients of ``context_id``.
 
         Blocks until every owner has replied. Owners that received no gradient in this
-        context leave their parameters as they are.
+        context leave their parameters as they are. Hyper-parameters changed in
+        ``param_groups`` since the last step travel with this step's RPCs.
 
         Args:
             context_id: the id of the live distributed autograd context whose backward pass
@@ -103,34 +237,147 @@ class DistributedOptimizer:
 
         Raises:
             TypeError: ``context_id`` is not an integer.
-            ValueError: no such context is alive on this worker (checked before any owner is
-                contacted).
+            ValueError: no such context is alive on this worker, or a hyper-parameter that
+                cannot change was changed (both checked before any owner is contacted).
             DistributedOptimizerError: some owners failed, or could not be reached.
         """
-        try:
-            context_id = operator.index(context_id)
-        except TypeError:
-            raise TypeError(
-                f"Invalid context_id: {context_id!r} (expected an int, the id of a "
-                f"dist_autograd.context())"
-            ) from None
-        try:
-            dist_autograd._retrieve_context(context_id)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"Invalid context_id: {context_id!r} (expected the id of a live "
-                f"dist_autograd.context() on this worker)"
-            ) from exc
-
-        futures = {
-            optim.owner_name(): _call_async(
-                optim.owner(), owner.step_local_optimizer, (optim, context_id), {}
-            )
-            for optim in self.remote_optimizers
-        }
-        _, failures, causes = _wait_all(futures)
+        context_id = check_context_id(context_id)
+        changes = pending_changes(
+            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+        )
+        futures = {}
+        for part in self._owners:
+            local_changes = [
+                (j, key, value)
+                for j, g in enumerate(part.groups)
+                for key, value in changes.get(g, {}).items()
+            ]
+            args: tuple = (part.rref, context_id, local_changes) if local_changes else (
+                part.rref, context_id)
+            futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
+        _, failures, causes = wait_all(futures)
         if failures:
             raise compose_error("step", failures) from causes[0]
+        for g, values in changes.items():
+            self._sent[g].update({k: snapshot(v) for k, v in values.items()})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Does nothing: gradients live in each autograd context, never in ``.grad``.
+
+        It exists so that code written for torch.optim runs unchanged; a new
+        ``dist_autograd.context()`` starts with no gradients.
+
+        Args:
+            set_to_none: accepted for compatibility.
+        """
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Not supported: the owners' optimizers are fixed at construction.
+
+        Raises:
+            NotImplementedError: always; build a new DistributedOptimizer instead.
+        """
+        raise NotImplementedError(
+            "DistributedOptimizer.add_param_group is not supported (expected all param "
+            "groups at construction)"
+        )
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The state in torch.optim's format, gathered from every owner in parallel.
+
+        Returns:
+            ``{"state": {index: {key: value}}, "param_groups": [{..., "params": [index, ...]}]}``
+            with parameters numbered as given to the constructor; loadable by a local
+            torch.optim optimizer of the same class over the same parameters.
+
+        Raises:
+            DistributedOptimizerError: some owners failed or could not be reached.
+        """
+        return state.gather_state_dict(self)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer.
+
+        Everything is checked on the trainer before any owner changes; then each owner gets
+        its part, in parallel.
+
+        Args:
+            state_dict: torch.optim's format, for the same class over the same parameters in
+                the same order (and groups).
+
+        Raises:
+            ValueError: the state_dict is for another class, another number of groups or
+                parameters, other shapes, or changes a hyper-parameter the compiled
+                optimizer fixes at construction; it names what differs.
+            DistributedOptimizerError: some owners failed or could not be reached.
+        """
+        state.load_state_dict(self, state_dict)
+
+    def save(self, path: str) -> Dict[str, Any]:
+        """Write a sharded checkpoint into the directory ``path``; see :mod:`distopt.checkpoint`.
+
+        Returns:
+            The manifest written.
+        """
+        return checkpoint.save(self, path)
+
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by ``save``; see :mod:`distopt.checkpoint`."""
+        checkpoint.load(self, path)
+
+    def clip_grad_norm_(
+        self,
+        context_id: int,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> Tensor:
+        """Clip the context's gradients of this optimizer's parameters by their global norm.
+
+        As :func:`torch.nn.utils.clip_grad_norm_`; see :func:`distopt.clipping.clip_grad_norm_`.
+        """
+        return clipping.clip_grad_norm_(
+            self, context_id, max_norm, norm_type, error_if_nonfinite, foreach
+        )
+
+    def clip_grad_value_(
+        self, context_id: int, clip_value: float, foreach: Optional[bool] = None
+    ) -> None:
+        """Clamp the context's gradients to ``[-clip_value, clip_value]``, in place.
+
+        As :func:`torch.nn.utils.clip_grad_value_`; see :func:`distopt.clipping.clip_grad_value_`.
+        """
+        clipping.clip_grad_value_(self, context_id, clip_value, foreach)
+
+    @property
+    def owners(self) -> List[OwnerPart]:
+        """The owners' parts, in the order their local optimizers were created."""
+        return list(self._owners)
+
+
+def check_context_id(context_id: Any) -> int:
+    """``context_id`` as an int, if it names a live autograd context on this worker.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: no such live context.
+    """
+    try:
+        context_id = operator.index(context_id)
+    except TypeError:
+        raise TypeError(
+            f"Invalid context_id: {context_id!r} (expected an int, the id of a "
+            f"dist_autograd.context())"
+        ) from None
+    try:
+        dist_autograd._retrieve_context(context_id)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"Invalid context_id: {context_id!r} (expected the id of a live "
+            f"dist_autograd.context() on this worker)"
+        ) from exc
+    return context_id
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:
@@ -148,64 +395,14 @@ def _check_optimizer_class(optimizer_class: Any) -> None:
         )
 
 
-def _check_params_rref(params_rref: Iterable[rpc.RRef]) -> List[rpc.RRef]:
-    try:
-        rrefs = list(params_rref)
-    except TypeError:
-        raise TypeError(
-            f"Invalid params_rref: {type(params_rref).__name__} (expected a list of RRefs)"
-        ) from None
-    if not rrefs:
-        raise ValueError("Invalid params_rref: [] (expected at least one RRef)")
-    for i, rref in enumerate(rrefs):
-        if not isinstance(rref, PyRRef):  # rpc.remote returns the base, not rpc.RRef
-            raise TypeError(
-                f"Invalid params_rref[{i}]: {type(rref).__name__} (expected an RRef to a "
-                f"parameter)"
-            )
-    return rrefs
-
-
-def _call_async(to: rpc.WorkerInfo, func: Any, args: tuple, kwargs: Dict[str, Any]) -> Future:
-    """``rpc_async``, with an error raised at the call turned into a failed future."""
-    try:
-        return rpc.rpc_async(to, func, args=args, kwargs=kwargs)
-    except Exception as exc:
-        failed: Future = Future()
-        failed.set_exception(exc)
-        return failed
-
-
-def _wait_all(
-    futures: Dict[str, Future]
-) -> Tuple[Dict[str, Any], Dict[str, str], List[BaseException]]:
-    """Wait for every future; returns (results, worker -> message, causes in worker order)."""
-    results: Dict[str, Any] = {}
-    failures: Dict[str, str] = {}
-    causes: List[BaseException] = []
-    for name, fut in futures.items():
-        try:
-            result = fut.wait()
-        except Exception as exc:  # transport: dead owner, timeout, unpicklable arguments
-            failures[name] = transport_message(exc)
-            causes.append(exc)
-            continue
-        if isinstance(result, RemoteFailure):
-            failures[name] = result.message
-            causes.append(result.as_exception())
-        else:
-            results[name] = result
-    return results, failures, causes
-
-
 def _release(optimizer_rrefs: List[rpc.RRef]) -> None:
     """Ask each owner to free a local optimizer now; failures are logged, not raised."""
     futures = {
-        f"{rref.owner_name()}#{i}": _call_async(
+        f"{rref.owner_name()}#{i}": call_async(
             rref.owner(), owner.release_local_optimizer, (rref,), {}
         )
         for i, rref in enumerate(optimizer_rrefs)
     }
-    _, failures, _ = _wait_all(futures)
+    _, failures, _ = wait_all(futures)
     for name, message in failures.items():
         logger.warning("could not release local optimizer %s: %s", name, message)

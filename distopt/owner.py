@@ -1,9 +1,11 @@
 """The owner's side: local optimizers over the parameters a worker owns, and their locks.
 
-A local optimizer is either compiled (a functional optimizer inside a TorchScript module,
-whose step reads the autograd context's gradients and runs without the GIL) or eager (any
-torch.optim class, fed through ``.grad``). Both are stepped by ``step_local_optimizer``,
-the function every step RPC calls: take the parameters' locks, make one call, release.
+A local optimizer is either compiled (one functional optimizer per param group, inside one
+TorchScript module whose step reads the autograd context's gradients and runs without the
+GIL) or eager (any torch.optim class built with the param groups, fed through ``.grad``).
+Both are stepped by ``step_local_optimizer``, the function every step RPC calls: take the
+parameters' locks, apply any hyper-parameter changes the trainer piggybacked, make one
+call, release.
 
 Locks belong to parameters. The first optimizer to touch a parameter gives it, and every
 other new parameter in that optimizer, one fresh lock with the next sequence number; later
@@ -11,11 +13,13 @@ optimizers reuse the locks already there. An optimizer takes its distinct locks 
 order, so trainers over the same parameters serialize, optimizers over disjoint parameters
 run in parallel, and overlapping sets cannot deadlock.
 """
+import contextlib
+import inspect
 import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -23,7 +27,15 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from distopt.errors import RemoteFailure
+from distopt.errors import RemoteFailure, returns_failure
+from functional import load_torch_state_dict, to_torch_state_dict
+from functional._state import group_keys
+
+#: What the trainer sends for one local param group: (parameter RRefs, their global
+#: indices, the group's options as the user gave them, without "params").
+GroupSpec = Tuple[List[rpc.RRef], List[int], Dict[str, Any]]
+#: A piggybacked hyper-parameter change: (local group, name, new value).
+Change = Tuple[int, str, Any]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +78,20 @@ def locks_for(params: List[Tensor]) -> List[threading.Lock]:
     return [pl.lock for pl in sorted(distinct.values(), key=lambda pl: pl.sequence)]
 
 
+@contextlib.contextmanager
+def holding(locks: Sequence[threading.Lock]) -> Iterator[None]:
+    """Take ``locks`` in the order given; release them in reverse, whatever happens."""
+    taken = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken += 1
+        yield
+    finally:
+        for lock in reversed(locks[:taken]):
+            lock.release()
+
+
 def lock_of(param: Tensor) -> Optional[threading.Lock]:
     """The lock guarding ``param``, or None if no optimizer has touched it."""
     with _registry_lock:
@@ -74,49 +100,98 @@ def lock_of(param: Tensor) -> Optional[threading.Lock]:
 
 
 class _CompiledLocalOptimizer(torch.nn.Module):
-    """A functional optimizer whose step takes an autograd context id, for TorchScript.
+    """Functional optimizers, one per param group, stepped from an autograd context id.
 
     Args:
         functional_cls: the functional optimizer class.
-        params: the local parameters, in the order the optimizer sees them.
-        *args: positional arguments for ``functional_cls``.
-        **kwargs: keyword arguments for ``functional_cls``.
+        group_params: the local parameters of each group, in the order the optimizer sees them.
+        group_kwargs: the constructor's keyword arguments for each group.
+        args: positional arguments for ``functional_cls``, after the parameters.
     """
 
     def __init__(
-        self, functional_cls: type, params: List[Tensor], *args: Any, **kwargs: Any
+        self,
+        functional_cls: type,
+        group_params: List[List[Tensor]],
+        group_kwargs: List[Dict[str, Any]],
+        args: tuple = (),
     ) -> None:
         super().__init__()
-        self.params = params
-        self.optim = functional_cls(params, *args, **kwargs)
+        self.params = group_params
+        self.optims = [
+            functional_cls(ps, *args, **kw) for ps, kw in zip(group_params, group_kwargs)
+        ]
 
     def forward(self, autograd_ctx_id: int) -> None:
         self.step_context(autograd_ctx_id)
 
     @torch.jit.export
     def step_context(self, autograd_ctx_id: int) -> None:
-        """Step with the gradients the context holds; parameters without one are skipped."""
+        """Step every group with the gradients the context holds; others are skipped."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        grads: List[Optional[Tensor]] = []
-        for p in self.params:
-            if p in grads_by_param:
-                grads.append(grads_by_param[p])
-            else:
-                grads.append(None)
-        self.optim.step(grads)
+        for j in range(len(self.optims)):
+            grads: List[Optional[Tensor]] = []
+            for p in self.params[j]:
+                if p in grads_by_param:
+                    grads.append(grads_by_param[p])
+                else:
+                    grads.append(None)
+            self.optims[j].step(grads)
 
     @torch.jit.export
+    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter (lr, betas, ...) of one group for the following steps."""
+        self.optims[group].set_hyperparameter(name, value)
+
+    @torch.jit.export
+    def get_state(self, group: int) -> Dict[int, Dict[str, Tensor]]:
+        """One group's state (the tensors themselves)."""
+        return self.optims[group].state
+
+    @torch.jit.export
+    def set_state(self, group: int, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace one group's whole state."""
+        self.optims[group].set_state(state)
+
+
+class _GroupView:
+    """One group of a compiled module, shaped as ``functional.load_torch_state_dict`` wants.
+
+    Attributes are read from a Python copy of the group's functional optimizer (TorchScript
+    hands class-typed attributes back as copies); changes go through the module's methods.
+    """
+
+    def __init__(self, module: Any, group: int) -> None:
+        self._module = module
+        self._group = group
+        self._copy = module.optims[group]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._copy, name)
+
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter (lr, betas, ...) for the following steps."""
-        self.optim.set_hyperparameter(name, value)
+        self._module.set_hyperparameter(self._group, name, value)
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        self._module.set_state(self._group, state)
 
 
 class _EagerStep:
     """A torch.optim optimizer stepped from an autograd context through ``.grad``."""
 
-    def __init__(self, optim_cls: type, params: List[Tensor], *args: Any, **kwargs: Any) -> None:
-        self.params = params
-        self.optim = optim_cls(params, *args, **kwargs)
+    def __init__(
+        self,
+        optim_cls: type,
+        group_params: List[List[Tensor]],
+        group_options: List[Dict[str, Any]],
+        args: tuple,
+        kwargs: Dict[str, Any],
+    ) -> None:
+        self.params = [p for ps in group_params for p in ps]
+        groups = [{"params": ps, **options} for ps, options in zip(group_params, group_options)]
+        self.optim = optim_cls(groups, *args, **kwargs)
 
     def __call__(self, autograd_ctx_id: int) -> None:
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
@@ -130,38 +205,184 @@ class _EagerStep:
 
 
 class LocalOptimizer:
-    """What an owner keeps for one DistributedOptimizer: a step callable and its locks.
+    """What an owner keeps for one DistributedOptimizer: its groups, their step and locks.
 
     Attributes:
-        params: the local parameters.
+        group_params: the local parameters of each local group.
+        params: all of them, flattened in group order.
+        global_indices: for each local group, the trainer's indices of its parameters (the
+            order the DistributedOptimizer was given them, flattened over its groups).
         locks: the parameters' distinct locks, in acquisition order.
         module: the compiled module (functional path) or None (eager path).
         optim: the torch.optim optimizer (eager path) or None (functional path).
+        optimizer_class: the class the user asked for (its state_dict format is used).
         step_context: ``step_context(autograd_ctx_id)``, unlocked.
     """
 
     def __init__(
         self,
-        params: List[Tensor],
+        group_params: List[List[Tensor]],
+        global_indices: List[List[int]],
         step_context: Callable[[int], None],
         optim: Any,
         module: Optional[torch.nn.Module] = None,
+        optimizer_class: Optional[type] = None,
     ) -> None:
-        self.params = params
-        self.locks = locks_for(params)
+        self.group_params = group_params
+        self.params = [p for ps in group_params for p in ps]
+        self.global_indices = global_indices
+        self.locks = locks_for(self.params)
         self.step_context = step_context
         self.optim = optim
         self.module = module
+        self.optimizer_class = optimizer_class
+        #: Checkpoint parts read and checked by ``distopt.checkpoint``, awaiting a commit.
+        self.staged: Dict[str, Any] = {}
         _live_local_optimizers.add(self)
+
+    def locked(self) -> "contextlib.AbstractContextManager[None]":
+        """Hold every lock of this optimizer's parameters."""
+        return holding(self.locks)
+
+    def apply_changes(self, changes: Sequence[Change]) -> None:
+        """Apply hyper-parameter changes; the caller holds the locks."""
+        for group, name, value in changes:
+            if self.module is not None:
+                self.module.set_hyperparameter(group, name, as_floats(name, value))
+            else:
+                self.optim.param_groups[group][name] = value
+
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        """Each local group's hyper-parameters as torch.optim's param_groups hold them."""
+        if self.module is None:
+            return [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
+        out = []
+        for j in range(len(self.group_params)):
+            obj = self.module.optims[j]
+            group = {}
+            for key in group_keys(self.optimizer_class):
+                if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
+                    group[key] = obj.lr_tensor.clone()
+                else:
+                    group[key] = getattr(obj, key)
+            out.append(group)
+        return out
+
+    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
+        """The state in torch.optim's format, keyed by global index.
+
+        The caller holds the locks. With ``copy`` the tensors are copies, one consistent
+        snapshot that later steps leave alone; without, they are the optimizer's own, to be
+        written out before the locks are released (no second copy of the state in memory).
+        """
+        out: Dict[int, Dict[str, Any]] = {}
+        if self.module is None:
+            flat = [i for indices in self.global_indices for i in indices]
+            for k, entry in self.optim.state_dict()["state"].items():
+                out[flat[k]] = {
+                    key: v.clone() if copy and isinstance(v, Tensor) else v
+                    for key, v in entry.items()
+                }
+            return out
+        for j, indices in enumerate(self.global_indices):
+            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=copy)
+            for k, entry in sd["state"].items():
+                out[indices[k]] = entry
+        return out
+
+    def load_torch_state(
+        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
+    ) -> None:
+        """Replace the state and hyper-parameters; the caller holds the locks.
+
+        Args:
+            hyperparameters: each local group's hyper-parameters, torch.optim's keys.
+            state: global index -> that parameter's state in torch.optim's format, for this
+                owner's parameters (any other entry is ignored).
+        """
+        if self.module is None:
+            flat = [i for indices in self.global_indices for i in indices]
+            position = {i: k for k, i in enumerate(flat)}
+            groups, start = [], 0
+            for j, indices in enumerate(self.global_indices):
+                groups.append(
+                    {**hyperparameters[j], "params": list(range(start, start + len(indices)))}
+                )
+                start += len(indices)
+            local_state = {position[i]: entry for i, entry in state.items() if i in position}
+            self.optim.load_state_dict({"state": local_state, "param_groups": groups})
+            return
+        for j, indices in enumerate(self.global_indices):
+            part = {
+                "state": {k: state[i] for k, i in enumerate(indices) if i in state},
+                "param_groups": [{**hyperparameters[j], "params": list(range(len(indices)))}],
+            }
+            load_torch_state_dict(_GroupView(self.module, j), self.optimizer_class, part)
+
+    def describe(self) -> Dict[str, Any]:
+        """What the trainer keeps about this optimizer: shapes, dtypes, hyper-parameters.
+
+        ``settable`` lists the keys a compiled optimizer can change between steps (None:
+        eager, every key); ``defaults`` is the eager optimizer's (None when compiled).
+        """
+        hyper = self.hyperparameters()
+        compiled = self.module is not None
+        return {
+            "shapes": [[tuple(p.shape) for p in ps] for ps in self.group_params],
+            "dtypes": [[p.dtype for p in ps] for ps in self.group_params],
+            "hyper": hyper,
+            "settable": self._probe_settable(hyper[0]) if compiled else None,
+            "defaults": None if compiled else dict(self.optim.defaults),
+        }
+
+    def _probe_settable(self, hyper: Dict[str, Any]) -> List[str]:
+        """The keys the compiled optimizer can change between steps.
+
+        Each candidate is set to the value it already has: accepted means settable, and
+        nothing changes either way.
+        """
+        settable = []
+        for key, value in hyper.items():
+            try:
+                floats = as_floats(key, value)
+                self.module.set_hyperparameter(0, key, floats)
+            except Exception:  # TorchScript raises its own error types for unknown names
+                continue
+            settable.append(key)
+        return settable
 
     def close(self) -> None:
         """Drop the optimizer and its state now, before the RRef protocol frees this object."""
         _live_local_optimizers.discard(self)
         self.step_context = _closed_step
+        self.group_params = []
         self.params = []
+        self.global_indices = []
         self.locks = []
         self.optim = None
         self.module = None
+        self.staged = {}
+
+
+def as_floats(name: str, value: Any) -> List[float]:
+    """A hyper-parameter value as the list of floats ``set_hyperparameter`` takes.
+
+    Raises:
+        TypeError: for booleans, None, strings and other values no compiled optimizer can
+            change between steps.
+    """
+    if isinstance(value, Tensor):
+        return [float(x) for x in value.detach().reshape(-1).tolist()]
+    if isinstance(value, (tuple, list)):
+        # Adafactor's eps is (None, eps2): its setter takes the number alone.
+        return [float(_number(name, x)) for x in value if x is not None]
+    return [float(_number(name, value))]
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Invalid {name}: {value!r} (expected a number)")
+    return value
 
 
 def _closed_step(autograd_ctx_id: int) -> None:
@@ -176,66 +397,98 @@ def live_local_optimizers() -> List[LocalOptimizer]:
     return list(_live_local_optimizers)
 
 
-def _local_params(param_rrefs: List[rpc.RRef]) -> List[Tensor]:
-    return [rref.local_value() for rref in param_rrefs]
+def _local_groups(specs: List[GroupSpec]) -> Tuple[List[List[Tensor]], List[List[int]]]:
+    group_params = [[rref.local_value() for rref in rrefs] for rrefs, _, _ in specs]
+    seen: Dict[int, int] = {}
+    for (_, indices, _), params in zip(specs, group_params):
+        for i, p in zip(indices, params):
+            if id(p) in seen and seen[id(p)] != i:
+                raise ValueError(
+                    f"Invalid params: parameters {seen[id(p)]} and {i} are the same tensor "
+                    f"(expected each parameter in one param group only)"
+                )
+            seen[id(p)] = i
+    return group_params, [list(indices) for _, indices, _ in specs]
 
 
+@returns_failure
 def new_compiled_local_optimizer(
-    functional_cls: type, param_rrefs: List[rpc.RRef], *args: Any, **kwargs: Any
-) -> Any:
-    """RPC target: compile a functional optimizer over the local parameters.
+    functional_cls: type,
+    optimizer_class: type,
+    specs: List[GroupSpec],
+    args: tuple,
+    kwargs: Dict[str, Any],
+) -> Tuple[rpc.RRef, Dict[str, Any]]:
+    """RPC target: compile functional optimizers, one per group, over the local parameters.
+
+    Args:
+        functional_cls: the functional stand-in for ``optimizer_class``.
+        optimizer_class: the class the user asked for.
+        specs: the local part of each param group that has parameters here.
+        args: positional arguments for the optimizer, after the parameters.
+        kwargs: keyword arguments shared by every group; a group's own options win.
 
     Returns:
-        An RRef to the new ``LocalOptimizer``, or a ``RemoteFailure``.
+        (an RRef to the new ``LocalOptimizer``, its ``describe()``), or a ``RemoteFailure``.
     """
-    try:
-        params = _local_params(param_rrefs)
-        with _compile_lock:  # construction may compile the functional class too
-            module = _CompiledLocalOptimizer(functional_cls, params, *args, **kwargs)
-            scripted = torch.jit.script(module)
-        # The scripted module holds its own copy of the optimizer; keep only the module.
-        local = LocalOptimizer(params, scripted.step_context, None, scripted)
-        return rpc.RRef(local)
-    except Exception as exc:
-        return RemoteFailure.from_exception(exc)
+    group_params, global_indices = _local_groups(specs)
+    accepted = set(inspect.signature(functional_cls).parameters)
+    group_kwargs = [
+        {**kwargs, **{k: v for k, v in options.items() if k in accepted and k != "params"}}
+        for _, _, options in specs
+    ]
+    with _compile_lock:  # construction may compile the functional class too
+        module = _CompiledLocalOptimizer(functional_cls, group_params, group_kwargs, tuple(args))
+        scripted = torch.jit.script(module)
+    # The scripted module holds its own copies of the optimizers; keep only the module.
+    local = LocalOptimizer(
+        group_params, global_indices, scripted.step_context, None, scripted, optimizer_class
+    )
+    return rpc.RRef(local), local.describe()
 
 
+@returns_failure
 def new_eager_local_optimizer(
-    optim_cls: type, param_rrefs: List[rpc.RRef], *args: Any, **kwargs: Any
-) -> Any:
-    """RPC target: construct a torch.optim optimizer over the local parameters.
+    optim_cls: type, specs: List[GroupSpec], args: tuple, kwargs: Dict[str, Any]
+) -> Tuple[rpc.RRef, Dict[str, Any]]:
+    """RPC target: construct a torch.optim optimizer over the local param groups.
 
     Returns:
-        An RRef to the new ``LocalOptimizer``, or a ``RemoteFailure``.
+        (an RRef to the new ``LocalOptimizer``, its ``describe()``), or a ``RemoteFailure``.
     """
-    try:
-        params = _local_params(param_rrefs)
-        eager = _EagerStep(optim_cls, params, *args, **kwargs)
-        return rpc.RRef(LocalOptimizer(params, eager, eager.optim))
-    except Exception as exc:
-        return RemoteFailure.from_exception(exc)
+    group_params, global_indices = _local_groups(specs)
+    eager = _EagerStep(
+        optim_cls, group_params, [options for _, _, options in specs], tuple(args), kwargs
+    )
+    local = LocalOptimizer(group_params, global_indices, eager, eager.optim, None, optim_cls)
+    return rpc.RRef(local), local.describe()
 
 
-def step_local_optimizer(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Optional[RemoteFailure]:
-    """RPC target of every step: lock, one call into the step, unlock.
+def step_local_optimizer(
+    optimizer_rref: rpc.RRef, autograd_ctx_id: int, changes: Optional[List[Change]] = None
+) -> Optional[RemoteFailure]:
+    """RPC target of every step: lock, apply piggybacked changes, one call into the step, unlock.
 
-    An owner that took no part in the backward pass has no such context: nothing to do.
+    An owner that took no part in the backward pass has no such context: it only applies
+    the changes.
+
+    Args:
+        optimizer_rref: the local optimizer.
+        autograd_ctx_id: the context holding the gradients.
+        changes: hyper-parameter changes made on the trainer since the last step, or None.
 
     Returns:
         None, or a ``RemoteFailure``.
     """
     try:
         local = optimizer_rref.local_value()
-        locks = local.locks
-        taken = 0
-        try:
-            for lock in locks:
-                lock.acquire()
-                taken += 1
+        with holding(local.locks):
+            if changes:
+                try:
+                    local.apply_changes(changes)
+                except Exception as exc:  # reported even when this owner has no gradients
+                    return RemoteFailure.from_exception(exc)
             local.step_context(autograd_ctx_id)
-        finally:
-            for lock in reversed(locks[:taken]):
-                lock.release()
         return None
     except Exception as exc:
         if not _has_context(autograd_ctx_id):
@@ -257,19 +510,24 @@ def release_local_optimizer(optimizer_rref: rpc.RRef) -> None:
     optimizer_rref.local_value().close()
 
 
-def set_local_hyperparameter(optimizer_rref: rpc.RRef, name: str, value: List[float]) -> None:
-    """RPC target: change a hyper-parameter of a compiled local optimizer, under its locks."""
+def set_local_hyperparameter(
+    optimizer_rref: rpc.RRef, name: str, value: List[float], group: Optional[int] = None
+) -> None:
+    """RPC target: change a hyper-parameter of a compiled local optimizer, under its locks.
+
+    Args:
+        optimizer_rref: the local optimizer.
+        name: the hyper-parameter.
+        value: its new value, as a list of floats.
+        group: the local group to change; None changes every group.
+    """
     local = optimizer_rref.local_value()
     if local.module is None:
         raise TypeError(
             f"Invalid local optimizer: {type(local.optim).__name__} is eager "
             f"(expected a compiled functional optimizer)"
         )
-    locks = local.locks
-    for lock in locks:
-        lock.acquire()
-    try:
-        local.module.set_hyperparameter(name, value)
-    finally:
-        for lock in reversed(locks):
-            lock.release()
+    groups = range(len(local.group_params)) if group is None else [group]
+    with holding(local.locks):
+        for j in groups:
+            local.module.set_hyperparameter(j, name, value)

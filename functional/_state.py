@@ -30,15 +30,18 @@ def group_keys(torch_cls: type) -> List[str]:
     return [n for n in sig.parameters if n not in _NOT_GROUP_KEYS]
 
 
-def to_torch_state_dict(optim: Any, torch_cls: type) -> Dict[str, Any]:
+def to_torch_state_dict(optim: Any, torch_cls: type, clone: bool = True) -> Dict[str, Any]:
     """The state of ``optim`` as ``torch_cls().state_dict()`` would give it.
 
     Args:
         optim: a functional optimizer, or a module from ``script_optimizer``.
         torch_cls: the torch.optim class whose format to produce.
+        clone: copy the state tensors (the default), so that later steps do not change
+            them; False returns the optimizer's own tensors, as torch.optim's state_dict
+            does (for writing them out at once without a second copy in memory).
 
     Returns:
-        A new dict; state tensors are cloned, so later steps do not change it.
+        A new dict.
     """
     obj = _instance(optim)
     group: Dict[str, Any] = {}
@@ -49,7 +52,7 @@ def to_torch_state_dict(optim: Any, torch_cls: type) -> Dict[str, Any]:
             group[key] = copy.deepcopy(getattr(obj, key))
     group["params"] = list(range(len(obj.params)))
     state = {
-        int(i): {k: _to_torch_value(torch_cls, k, v) for k, v in entry.items()}
+        int(i): {k: _to_torch_value(torch_cls, k, v, clone) for k, v in entry.items()}
         for i, entry in sorted(obj.state.items())
     }
     return {"state": state, "param_groups": [group]}
@@ -140,11 +143,11 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     optim.set_state(state)
 
 
-def _to_torch_value(torch_cls: type, key: str, value: Tensor) -> Any:
-    """A copy of one state entry in torch.optim's form (SparseAdam's ``step`` is an int)."""
+def _to_torch_value(torch_cls: type, key: str, value: Tensor, clone: bool = True) -> Any:
+    """One state entry in torch.optim's form (SparseAdam's ``step`` is an int)."""
     if key == "step" and torch_cls.__name__ in _INT_STEP_CLASSES:
         return int(value.item())
-    return value.clone()
+    return value.clone() if clone else value
 
 
 def _from_torch_value(key: str, value: Any) -> Any:

@@ -245,3 +245,53 @@ class FunctionalPlainSGD:
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         self.state = state
+
+
+# ---------------------------------------------------------------- clipping and checkpoints
+
+
+def scaled_sum(param_rref: rpc.RRef, factor: float) -> Tensor:
+    """``factor * sum(p)``: every element's gradient is ``factor`` (inf for a non-finite one)."""
+    return (param_rref.local_value() * factor).sum()
+
+
+def context_gradient(param_rref: rpc.RRef, context_id: int) -> Optional[Tensor]:
+    """A copy of the parameter's gradient in the context on this owner, or None."""
+    grads = dist_autograd.get_gradients(context_id)
+    grad = grads.get(param_rref.local_value())
+    return None if grad is None else grad.clone()
+
+
+class SimulatedCrash(BaseException):
+    """Raised by a checkpoint test hook to stand for a process dying: no cleanup catches it."""
+
+
+def fail_checkpoint_at(stage: str, crash: bool = False) -> None:
+    """Make this process's next checkpoint write fail at ``stage``, once.
+
+    At ``"shard-written"`` the temporary shard is first cut to half its size, as a write
+    interrupted midway would leave it. ``crash`` raises SimulatedCrash instead of OSError.
+    """
+    import os
+
+    from distopt import checkpoint
+
+    def hook(at: str, path: str) -> None:
+        if at != stage:
+            return
+        checkpoint.fault_hook = None
+        if at == "shard-written":
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        if crash:
+            raise SimulatedCrash(f"simulated crash at {at}")
+        raise OSError(f"simulated failure at {at}")
+
+    checkpoint.fault_hook = hook
+
+
+def clear_checkpoint_fault() -> None:
+    """Remove any hook set by ``fail_checkpoint_at``."""
+    from distopt import checkpoint
+
+    checkpoint.fault_hook = None

@@ -1,0 +1,244 @@
+"""Gradient clipping across owners: the gradients stay in the autograd context, on their owners.
+
+``clip_grad_norm_`` takes two parallel rounds: every owner returns the norm of each of its
+gradients in the context (one number per parameter), the trainer combines them into the
+total norm exactly as :func:`torch.nn.utils.clip_grad_norm_` does, and every owner then
+scales its gradients in place. ``clip_grad_value_`` takes one round.
+
+``dist_autograd.get_gradients`` returns the context's own gradient tensors (not copies), so
+scaling them in place is what the next ``step(context_id)`` reads.
+"""
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from distopt.errors import returns_failure
+from distopt.fanout import fan_out
+
+if TYPE_CHECKING:
+    from distopt.optimizer import DistributedOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- trainer side
+
+
+def clip_grad_norm_(
+    opt: "DistributedOptimizer",
+    context_id: int,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> Tensor:
+    r"""Scale the context's gradients of ``opt``'s parameters to a total norm of at most ``max_norm``.
+
+    .. math::
+        \|g\|_p = \Big(\sum_i \|g_i\|_p^p\Big)^{1/p}, \qquad
+        g_i \leftarrow g_i \cdot \min\Big(1, \frac{\text{max\_norm}}{\|g\|_p + 10^{-6}}\Big)
+
+    (the largest element's magnitude for ``p = inf``). Parameters without a gradient in the
+    context are left out, as ``.grad = None`` is by torch.
+
+    Args:
+        opt: the optimizer whose parameters' gradients to clip.
+        context_id: the live autograd context holding the gradients.
+        max_norm: the largest total norm allowed.
+        norm_type: ``p`` of the p-norm; ``float("inf")`` for the largest magnitude.
+        error_if_nonfinite: raise instead of scaling when the total norm is nan or inf.
+        foreach: ``False`` computes and scales one gradient at a time on the owners;
+            otherwise the foreach kernels are used (same values).
+
+    Returns:
+        The total norm of the gradients before clipping, a 0-dim tensor.
+
+    Raises:
+        TypeError, ValueError: a bad ``context_id`` (before any owner is contacted).
+        RuntimeError: ``error_if_nonfinite`` and the total norm is nan or inf; no gradient
+            is changed.
+        DistributedOptimizerError: some owners failed or could not be reached.
+    """
+    from distopt.optimizer import check_context_id
+
+    context_id = check_context_id(context_id)
+    norm_type = float(norm_type)
+    use_foreach = foreach is not False
+    replies = fan_out(
+        "clip_grad_norm_",
+        {
+            part.name: (
+                part.info, local_grad_norms, (part.rref, context_id, norm_type, use_foreach)
+            )
+            for part in opt.owners
+        },
+    )
+    indexed: List[Tuple[int, Tensor]] = []
+    for indices, norms in replies.values():
+        indexed.extend(zip(indices, norms))
+    if not indexed:
+        return torch.tensor(0.0)
+    indexed.sort(key=lambda pair: pair[0])
+    total_norm = torch.linalg.vector_norm(torch.stack([n for _, n in indexed]), norm_type)
+    if error_if_nonfinite and (total_norm.isnan() or total_norm.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            f"non-finite, so it cannot be clipped. To disable this error and scale the "
+            f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    if bool(clip_coef == 1.0):
+        return total_norm  # multiplying by one changes nothing: skip the second round
+    fan_out(
+        "clip_grad_norm_",
+        {
+            part.name: (
+                part.info, scale_local_grads, (part.rref, context_id, clip_coef, use_foreach)
+            )
+            for part in opt.owners
+            if replies[part.name][0]  # owners with no gradient have nothing to scale
+        },
+    )
+    return total_norm
+
+
+def clip_grad_value_(
+    opt: "DistributedOptimizer", context_id: int, clip_value: float, foreach: Optional[bool] = None
+) -> None:
+    """Clamp the context's gradients of ``opt``'s parameters to ``[-clip_value, clip_value]``.
+
+    One round of RPCs, in parallel; as :func:`torch.nn.utils.clip_grad_value_`.
+
+    Args:
+        opt: the optimizer whose parameters' gradients to clip.
+        context_id: the live autograd context holding the gradients.
+        clip_value: the largest magnitude allowed.
+        foreach: ``False`` clamps one gradient at a time; otherwise the foreach kernels.
+
+    Raises:
+        TypeError, ValueError: a bad ``context_id`` (before any owner is contacted).
+        DistributedOptimizerError: some owners failed or could not be reached.
+    """
+    from distopt.optimizer import check_context_id
+
+    context_id = check_context_id(context_id)
+    clip_value = float(clip_value)
+    use_foreach = foreach is not False
+    fan_out(
+        "clip_grad_value_",
+        {
+            part.name: (
+                part.info, clamp_local_grads, (part.rref, context_id, clip_value, use_foreach)
+            )
+            for part in opt.owners
+        },
+    )
+
+
+# ---------------------------------------------------------------- owner side
+# The owner's math runs in TorchScript, compiled on first use (not at import), so that the
+# gradients are gathered, measured and scaled without a Python call per parameter.
+
+_scripted: Dict[str, Callable[..., Any]] = {}
+_script_lock = threading.Lock()
+
+
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    found = _scripted.get(fn.__name__)
+    if found is None:
+        with _script_lock:  # TorchScript's compiler is not thread-safe
+            found = _scripted.get(fn.__name__)
+            if found is None:
+                found = torch.jit.script(fn)
+                _scripted[fn.__name__] = found
+    return found
+
+
+def _context_grads(autograd_ctx_id: int, params: List[Tensor]) -> Tuple[List[int], List[Tensor]]:
+    """(positions, gradients) of the parameters that have a gradient in the context."""
+    grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
+    positions: List[int] = []
+    grads: List[Tensor] = []
+    for k in range(len(params)):
+        p = params[k]
+        if p in grads_by_param:
+            positions.append(k)
+            grads.append(grads_by_param[p])
+    return positions, grads
+
+
+def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> List[Tensor]:
+    dense: List[Tensor] = []
+    for g in grads:
+        dense.append(g.coalesce().values() if g.is_sparse else g)
+    if foreach:
+        return torch._foreach_norm(dense, norm_type)
+    norms: List[Tensor] = []
+    for g in dense:
+        norms.append(torch.linalg.vector_norm(g, norm_type))
+    return norms
+
+
+def _scale(grads: List[Tensor], coef: Tensor, foreach: bool) -> None:
+    if foreach:
+        torch._foreach_mul_(grads, coef)
+    else:
+        for g in grads:
+            g.mul_(coef)
+
+
+def _clamp(grads: List[Tensor], clip_value: float, foreach: bool) -> None:
+    if foreach:
+        torch._foreach_clamp_min_(grads, -clip_value)
+        torch._foreach_clamp_max_(grads, clip_value)
+    else:
+        for g in grads:
+            g.clamp_(min=-clip_value, max=clip_value)
+
+
+def _local_grads(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Tuple[List[int], List[Tensor]]:
+    """(global indices, gradients) of this owner's parameters with a gradient in the context."""
+    local = optimizer_rref.local_value()
+    try:
+        dist_autograd._retrieve_context(autograd_ctx_id)
+    except RuntimeError:
+        return [], []  # this owner took no part in the backward pass
+    flat = [i for indices in local.global_indices for i in indices]
+    positions, grads = _compiled(_context_grads)(autograd_ctx_id, local.params)
+    return [flat[k] for k in positions], grads
+
+
+@returns_failure
+def local_grad_norms(
+    optimizer_rref: rpc.RRef, autograd_ctx_id: int, norm_type: float, foreach: bool
+) -> Tuple[List[int], List[Tensor]]:
+    """RPC target: each local gradient's ``norm_type``-norm, with its global index."""
+    indices, grads = _local_grads(optimizer_rref, autograd_ctx_id)
+    if not grads:
+        return [], []
+    return indices, _compiled(_grad_norms)(grads, norm_type, foreach)
+
+
+@returns_failure
+def scale_local_grads(
+    optimizer_rref: rpc.RRef, autograd_ctx_id: int, coef: Tensor, foreach: bool
+) -> None:
+    """RPC target: multiply the local gradients in the context by ``coef``, in place."""
+    _, grads = _local_grads(optimizer_rref, autograd_ctx_id)
+    if grads:
+        _compiled(_scale)(grads, coef, foreach)
+
+
+@returns_failure
+def clamp_local_grads(
+    optimizer_rref: rpc.RRef, autograd_ctx_id: int, clip_value: float, foreach: bool
+) -> None:
+    """RPC target: clamp the local gradients in the context to ``[-clip_value, clip_value]``."""
+    _, grads = _local_grads(optimizer_rref, autograd_ctx_id)
+    if grads:
+        _compiled(_clamp)(grads, clip_value, foreach)

@@ -1,0 +1,221 @@
+"""state_dict / load_state_dict: torch.optim's format, gathered from and sent to the owners.
+
+The trainer holds no optimizer state. ``gather_state_dict`` asks every owner, in parallel,
+for its parameters' state (already keyed by the trainer's global parameter indices) and
+adds the trainer's ``param_groups``. ``load_state_dict`` checks everything against what
+the trainer learnt at construction (group keys, parameter counts, shapes) before any owner
+changes, then sends each owner only its part.
+"""
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any, Dict, List
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from distopt.errors import returns_failure
+from distopt.fanout import fan_out
+from distopt.param_groups import same, snapshot
+
+if TYPE_CHECKING:
+    from distopt.optimizer import DistributedOptimizer
+
+logger = logging.getLogger(__name__)
+
+#: State whose shape is its own rather than its parameter's (Adafactor's factored moments).
+_OWN_SHAPE_KEYS = ("row_var", "col_var", "variance")
+
+
+# ---------------------------------------------------------------- trainer side
+
+
+def gather_state_dict(opt: "DistributedOptimizer") -> Dict[str, Any]:
+    """``opt``'s state in torch.optim's format; one RPC per owner, all in parallel."""
+    parts = fan_out(
+        "state_dict",
+        {part.name: (part.info, local_state, (part.rref,)) for part in opt.owners},
+    )
+    merged: Dict[int, Dict[str, Any]] = {}
+    for entries in parts.values():
+        merged.update(entries)
+    return {
+        "state": {i: merged[i] for i in sorted(merged)},
+        "param_groups": group_dicts(opt),
+    }
+
+
+def group_dicts(opt: "DistributedOptimizer") -> List[Dict[str, Any]]:
+    """The trainer's param groups as a state_dict holds them: parameters as global indices."""
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": list(indices)}
+        for group, indices in zip(opt.param_groups, opt._group_indices)
+    ]
+
+
+def check_groups(
+    opt: "DistributedOptimizer", groups: Any, what: str = "state_dict"
+) -> Dict[Any, int]:
+    """Check saved param groups against ``opt``'s; returns saved id -> global index.
+
+    Raises:
+        ValueError: another number of groups or of parameters in a group, keys of another
+            class, or a change to a hyper-parameter the compiled optimizer fixes.
+    """
+    name = opt.optimizer_class.__name__
+    if not isinstance(groups, (list, tuple)):
+        raise ValueError(
+            f"Invalid {what}: param_groups is {type(groups).__name__} (expected a list)"
+        )
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"Invalid {what}: {len(groups)} param groups (expected {len(opt.param_groups)})"
+        )
+    required = set(opt.defaults) if opt._settable is None else set(opt._hyper_keys)
+    for g, (saved, indices) in enumerate(zip(groups, opt._group_indices)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(
+                f"Invalid {what}: param_groups[{g}] is not a param group (expected a dict "
+                f"with 'params')"
+            )
+        missing = sorted(required - set(saved))
+        if missing:
+            raise ValueError(
+                f"Invalid {what}: param_groups[{g}] lacks {missing!r}, so it is not a "
+                f"{name} state_dict"
+            )
+        if len(saved["params"]) != len(indices):
+            raise ValueError(
+                f"Invalid {what}: param_groups[{g}] holds {len(saved['params'])} parameters "
+                f"(expected {len(indices)})"
+            )
+        if opt._settable is not None:
+            for key in opt._hyper_keys:
+                if key not in opt._settable and not same(saved[key], opt._sent[g][key]):
+                    raise ValueError(
+                        f"Invalid {what}: param_groups[{g}][{key!r}] is {saved[key]!r} "
+                        f"(expected {opt._sent[g][key]!r}: the compiled {name} cannot change "
+                        f"{key} after construction)"
+                    )
+    saved_ids = list(itertools.chain.from_iterable(g["params"] for g in groups))
+    id_map = dict(zip(saved_ids, itertools.chain.from_iterable(opt._group_indices)))
+    if len(id_map) != len(saved_ids):
+        raise ValueError(f"Invalid {what}: a parameter id appears twice in param_groups")
+    return id_map
+
+
+def check_values(
+    i: int, entry: Any, shape: torch.Size, where: str, what: str, tensors_only: bool
+) -> None:
+    """Check one parameter's saved state against the shape of parameter ``i``.
+
+    Args:
+        i: the parameter's global index.
+        entry: its saved state, ``{key: value}``.
+        shape: the parameter's shape.
+        where: the entry's key in the saved state, for messages.
+        what: "state_dict" or "checkpoint", for messages.
+        tensors_only: whether every value but a numeric ``step`` must be a tensor (the
+            compiled path keeps tensors only).
+
+    Raises:
+        ValueError: naming the entry, when it is not a dict, holds a non-tensor where only
+            tensors are kept, or a tensor of another shape.
+    """
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"Invalid {what}: state[{where}] is {type(entry).__name__} (expected a dict)"
+        )
+    for key, value in entry.items():
+        if not isinstance(value, Tensor):
+            is_step = key == "step" and isinstance(value, (int, float)) and not isinstance(
+                value, bool)
+            if tensors_only and not is_step:
+                raise ValueError(
+                    f"Invalid {what}: state[{where}][{key!r}] is {type(value).__name__} "
+                    f"(expected a Tensor)"
+                )
+            continue
+        if (
+            value.dim() > 0 and key != "step" and key not in _OWN_SHAPE_KEYS
+            and value.shape != shape and value.numel() > 1
+        ):
+            raise ValueError(
+                f"Invalid {what}: state[{where}][{key!r}] has shape {tuple(value.shape)} "
+                f"(expected {tuple(shape)}, the shape of parameter {i})"
+            )
+
+
+def load_state_dict(opt: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
+    """Check ``state_dict`` whole on the trainer, then send each owner its part in parallel."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"Invalid state_dict: keys {got!r} (expected ['param_groups', 'state'])"
+        )
+    groups = state_dict["param_groups"]
+    id_map = check_groups(opt, groups)
+    saved_state = state_dict["state"]
+    if not isinstance(saved_state, dict):
+        raise ValueError(
+            f"Invalid state_dict: state is {type(saved_state).__name__} (expected a dict)"
+        )
+    by_index: Dict[int, Dict[str, Any]] = {}
+    for saved_id, entry in saved_state.items():
+        if saved_id not in id_map:
+            raise ValueError(
+                f"Invalid state_dict: state for parameter {saved_id!r} (expected one of the "
+                f"ids in param_groups)"
+            )
+        i = id_map[saved_id]
+        check_values(
+            i, entry, opt._param_shapes[i], repr(saved_id), "state_dict", opt._settable is not None
+        )
+        by_index[i] = entry
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    send_parts(opt, hyper, by_index)
+    adopt_groups(opt, hyper)
+
+
+def send_parts(
+    opt: "DistributedOptimizer", hyper: List[Dict[str, Any]], by_index: Dict[int, Dict[str, Any]]
+) -> None:
+    """Give every owner its parameters' state and its groups' hyper-parameters, in parallel."""
+    calls = {}
+    for part in opt.owners:
+        mine = {i: by_index[i] for indices in part.indices for i in indices if i in by_index}
+        calls[part.name] = (
+            part.info, load_local_state, (part.rref, [hyper[g] for g in part.groups], mine)
+        )
+    fan_out("load_state_dict", calls)
+
+
+def adopt_groups(opt: "DistributedOptimizer", hyper: List[Dict[str, Any]]) -> None:
+    """Make the trainer's groups the loaded ones (in place, so schedulers keep them)."""
+    for g, (group, values) in enumerate(zip(opt.param_groups, hyper)):
+        params = group["params"]
+        group.clear()
+        group.update(values)
+        group["params"] = params
+        opt._sent[g] = {k: snapshot(group[k]) for k in opt._hyper_keys if k in group}
+
+
+# ---------------------------------------------------------------- owner side
+
+
+@returns_failure
+def local_state(optimizer_rref: rpc.RRef) -> Dict[int, Dict[str, Any]]:
+    """RPC target: the local optimizer's state by global index, copied under its locks."""
+    local = optimizer_rref.local_value()
+    with local.locked():
+        return local.torch_state()
+
+
+@returns_failure
+def load_local_state(
+    optimizer_rref: rpc.RRef, hyper: List[Dict[str, Any]], entries: Dict[int, Dict[str, Any]]
+) -> None:
+    """RPC target: replace the local optimizer's state and hyper-parameters, under its locks."""
+    local = optimizer_rref.local_value()
+    with local.locked():
+        local.load_torch_state(hyper, entries)

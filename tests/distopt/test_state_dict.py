@@ -1,0 +1,144 @@
+"""state_dict / load_state_dict in torch.optim's format, both ways; refusals change nothing."""
+import copy
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+from distopt import DistributedOptimizer, state
+from functional import functional_optim_map
+from tests.distopt import harness
+
+# (class, defaults, options of group 0, options of group 1)
+CASES = [
+    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}, {}, {"lr": 0.02, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, {"nesterov": True}, {"lr": 0.05}),
+    (torch.optim.Adagrad, {"lr": 0.1}, {}, {"lr_decay": 0.01}),
+    (torch.optim.ASGD, {"lr": 0.05, "t0": 2.0}, {}, {"lambd": 1e-3}),
+    (torch.optim.Adafactor, {"lr": 0.01}, {}, {"lr": 0.02}),
+]
+IDS = [c[0].__name__ for c in CASES]
+PATHS = [(c, True) for c in CASES] + [(CASES[0], False), (CASES[1], False)]
+PATH_IDS = [f"{i}-compiled" for i in IDS] + [f"{IDS[0]}-eager", f"{IDS[1]}-eager"]
+
+
+def build(case, rrefs, local):
+    cls, defaults, opts0, opts1 = case
+    dist_opt = DistributedOptimizer(cls, harness.grouped(rrefs, [opts0, opts1]), **defaults)
+    ref = cls(harness.grouped(local, [opts0, opts1]), **defaults)
+    return dist_opt, ref
+
+
+@pytest.mark.parametrize("case, functional", PATHS, ids=PATH_IDS)
+def test_round_trips_continue_exactly(world, monkeypatch, case, functional):
+    """Three ways in and out, each continuing as the uninterrupted local run does."""
+    cls = case[0]
+    if not functional:
+        monkeypatch.delitem(functional_optim_map, cls)
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(case, rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 3)
+
+    # 1. The state_dict equals torch.optim's (global numbering = the order given).
+    saved = dist_opt.state_dict()
+    harness.assert_state_dicts_equal(saved, ref.state_dict())
+
+    # 2. It loads into a new DistributedOptimizer, which continues as the local one does.
+    fresh, _ = build(case, rrefs, [p.detach().clone() for p in local])
+    fresh.load_state_dict(saved)
+    harness.train(fresh, ref, rrefs, local, 2, first_step=3)
+    harness.assert_params_equal(rrefs, local, "after DistributedOptimizer -> DistributedOptimizer")
+
+    # 3. A local torch.optim state_dict loads into a DistributedOptimizer.
+    third, _ = build(case, rrefs, [p.detach().clone() for p in local])
+    third.load_state_dict(copy.deepcopy(ref.state_dict()))
+    harness.train(third, ref, rrefs, local, 2, first_step=5)
+    harness.assert_params_equal(rrefs, local, "after torch.optim -> DistributedOptimizer")
+
+    # 4. A DistributedOptimizer's state_dict loads into a local torch.optim optimizer.
+    copies = [p.detach().clone().requires_grad_(True) for p in local]
+    _, other_ref = build(case, rrefs, copies)
+    other_ref.load_state_dict(third.state_dict())
+    harness.train(third, other_ref, rrefs, copies, 2, first_step=7)
+    harness.assert_params_equal(rrefs, copies, "after DistributedOptimizer -> torch.optim")
+
+
+def test_hyperparameters_come_back_from_the_state_dict(world):
+    rrefs, local = harness.make_params()
+    case = CASES[0]
+    dist_opt, ref = build(case, rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 1)
+    ref.param_groups[1]["lr"] = 0.003
+    ref.param_groups[0]["betas"] = (0.5, 0.9)
+    dist_opt.load_state_dict(ref.state_dict())
+    assert dist_opt.param_groups[1]["lr"] == 0.003
+    assert dist_opt.param_groups[0]["betas"] == (0.5, 0.9)
+    harness.train(dist_opt, ref, rrefs, local, 2, first_step=1)
+    harness.assert_params_equal(rrefs, local)
+
+
+def mutate(sd: Dict[str, Any], how: str) -> Dict[str, Any]:
+    sd = copy.deepcopy(sd)
+    if how == "groups":
+        sd["param_groups"] = sd["param_groups"][:1]
+    elif how == "count":
+        sd["param_groups"][1]["params"] = sd["param_groups"][1]["params"][:1]
+    elif how == "shape":
+        first = min(sd["state"])
+        sd["state"][first]["exp_avg"] = torch.zeros(7, 7)
+    elif how == "fixed":
+        sd["param_groups"][0]["amsgrad"] = False
+    elif how == "unknown-id":
+        sd["state"][99] = sd["state"][min(sd["state"])]
+    elif how == "keys":
+        del sd["state"]
+    return sd
+
+
+@pytest.mark.parametrize(
+    "how, match",
+    [
+        ("class", r"param_groups\[0\] lacks \['amsgrad', 'betas', .*so it is not a Adam"),
+        ("groups", r"1 param groups \(expected 2\)"),
+        ("count", r"param_groups\[1\] holds 1 parameters \(expected 2\)"),
+        ("shape", r"state\[\d\]\['exp_avg'\] has shape \(7, 7\) \(expected \(\d, \d\)"),
+        ("fixed", r"param_groups\[0\]\['amsgrad'\] is False \(expected True: the compiled Adam"),
+        ("unknown-id", r"state for parameter 99"),
+        ("keys", r"keys \['param_groups'\]"),
+    ],
+)
+def test_mismatch_raises_before_any_owner_changes(world, monkeypatch, how, match):
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(CASES[0], rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 2)
+    before = dist_opt.state_dict()
+    if how == "class":
+        sgd = torch.optim.SGD(harness.grouped(local, [{}, {}]), lr=0.1, momentum=0.9)
+        sgd.step()
+        bad = sgd.state_dict()
+    else:
+        bad = mutate(before, how)
+    calls: List[Any] = []
+    real = rpc.rpc_async
+    monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: calls.append(a) or real(*a, **k))
+    with pytest.raises(ValueError, match=match):
+        dist_opt.load_state_dict(bad)
+    assert calls == []
+    monkeypatch.undo()
+    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+
+
+def test_state_dict_takes_one_rpc_per_owner(world, monkeypatch):
+    """One RPC per owner, made before any reply is awaited (fan_out)."""
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(CASES[1], rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 1)
+    calls: List[Any] = []
+    real = rpc.rpc_async
+    monkeypatch.setattr(
+        rpc, "rpc_async", lambda to, f, **k: calls.append((to, f)) or real(to, f, **k)
+    )
+    dist_opt.state_dict()
+    assert [f for _, f in calls] == [state.local_state] * 2
+    assert sorted(to.name for to, _ in calls) == ["worker1", "worker2"]
