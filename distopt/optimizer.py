@@ -33,12 +33,14 @@ class OwnerPart:
     Attributes:
         info: the owner.
         rref: its local optimizer.
+        id: the local optimizer's key on the owner, sent with every step instead of the RRef.
         groups: the global param group of each of its local groups.
         indices: for each local group, the global indices of its parameters.
     """
 
     info: rpc.WorkerInfo
     rref: rpc.RRef
+    id: int
     groups: List[int]
     indices: List[List[int]]
 
@@ -176,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for name, (rref, info) in results.items():
             parts = by_owner[name][1]
             part = OwnerPart(
-                by_owner[name][0], rref, list(parts), [indices for _, indices in parts.values()]
+                by_owner[name][0], rref, info["id"], list(parts), [indices for _, indices in parts.values()]
             )
             self._owners.append(part)
             for j, g in enumerate(part.groups):
@@ -252,8 +254,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for j, g in enumerate(part.groups)
                 for key, value in changes.get(g, {}).items()
             ]
-            args: tuple = (part.rref, context_id, local_changes) if local_changes else (
-                part.rref, context_id)
+            args: tuple = (part.id, context_id, local_changes) if local_changes else (
+                part.id, context_id)
             futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
         _, failures, causes = wait_all(futures)
         if failures:

@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -238,7 +238,11 @@ class LocalOptimizer:
         self.optimizer_class = optimizer_class
         #: Checkpoint parts read and checked by ``distopt.checkpoint``, awaiting a commit.
         self.staged: Dict[str, Any] = {}
+        #: The key steps use instead of the RRef: an int pickles cheaply, and an RRef sent
+        #: back to its owner costs the RRef protocol's extra messages at every step.
+        self.id = next(_ids)
         _live_local_optimizers.add(self)
+        _by_id[self.id] = self
 
     def locked(self) -> "contextlib.AbstractContextManager[None]":
         """Hold every lock of this optimizer's parameters."""
@@ -354,6 +358,7 @@ class LocalOptimizer:
     def close(self) -> None:
         """Drop the optimizer and its state now, before the RRef protocol frees this object."""
         _live_local_optimizers.discard(self)
+        _by_id.pop(self.id, None)
         self.step_context = _closed_step
         self.group_params = []
         self.params = []
@@ -390,6 +395,9 @@ def _closed_step(autograd_ctx_id: int) -> None:
 
 
 _live_local_optimizers: "weakref.WeakSet[LocalOptimizer]" = weakref.WeakSet()
+# Weak: the trainer's RRef (through its OwnerRRef here) keeps a local optimizer alive.
+_by_id: "weakref.WeakValueDictionary[int, LocalOptimizer]" = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
 
 
 def live_local_optimizers() -> List[LocalOptimizer]:
@@ -444,7 +452,7 @@ def new_compiled_local_optimizer(
     local = LocalOptimizer(
         group_params, global_indices, scripted.step_context, None, scripted, optimizer_class
     )
-    return rpc.RRef(local), local.describe()
+    return rpc.RRef(local), {**local.describe(), "id": local.id}
 
 
 @returns_failure
@@ -461,11 +469,11 @@ def new_eager_local_optimizer(
         optim_cls, group_params, [options for _, _, options in specs], tuple(args), kwargs
     )
     local = LocalOptimizer(group_params, global_indices, eager, eager.optim, None, optim_cls)
-    return rpc.RRef(local), local.describe()
+    return rpc.RRef(local), {**local.describe(), "id": local.id}
 
 
 def step_local_optimizer(
-    optimizer_rref: rpc.RRef, autograd_ctx_id: int, changes: Optional[List[Change]] = None
+    optimizer: Union[int, rpc.RRef], autograd_ctx_id: int, changes: Optional[List[Change]] = None
 ) -> Optional[RemoteFailure]:
     """RPC target of every step: lock, apply piggybacked changes, one call into the step, unlock.
 
@@ -473,7 +481,7 @@ def step_local_optimizer(
     the changes.
 
     Args:
-        optimizer_rref: the local optimizer.
+        optimizer: the local optimizer's ``id`` (what the trainer sends), or its RRef.
         autograd_ctx_id: the context holding the gradients.
         changes: hyper-parameter changes made on the trainer since the last step, or None.
 
@@ -481,7 +489,14 @@ def step_local_optimizer(
         None, or a ``RemoteFailure``.
     """
     try:
-        local = optimizer_rref.local_value()
+        if isinstance(optimizer, int):
+            local = _by_id.get(optimizer)
+            if local is None:
+                raise RuntimeError(
+                    f"Invalid local optimizer: id {optimizer!r} was released (expected a live one)"
+                )
+        else:
+            local = optimizer.local_value()
         with holding(local.locks):
             if changes:
                 try:

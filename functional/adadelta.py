@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_in_range, check_lr, check_params
 from functional._common import (
+    increment_steps,
     check_gradients,
     new_step,
     fresh_zeros_like,
@@ -173,7 +174,7 @@ class FunctionalAdadelta:
         if len(params) == 0:
             return
         rho = self.rho
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if self.maximize:
             grads = torch._foreach_neg(grads)
         if self.weight_decay != 0.0:

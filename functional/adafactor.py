@@ -13,6 +13,7 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    increment_steps,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -245,7 +246,7 @@ class FunctionalAdafactor:
             return
         if self.maximize:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
         decays: List[Union[int, float, complex]] = []
         alphas: List[float] = []

@@ -13,6 +13,7 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    increment_steps,
     check_gradients,
     new_step,
     group_by_device_dtype,
@@ -194,7 +195,7 @@ class FunctionalAdagrad:
         if len(params) == 0:
             return
         # The kernel reads the already-incremented step, as in torch.optim's fused path.
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         torch._fused_adagrad_(
             params,
             grads,
@@ -219,7 +220,7 @@ class FunctionalAdagrad:
             return
         if self.maximize:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if self.weight_decay != 0.0:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         # Foreach ScalarList overloads take TorchScript's `number`, not List[float].

@@ -16,6 +16,7 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    increment_steps,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -100,7 +101,7 @@ def adam_update(
         return
     if fused:
         # The fused kernels read the already incremented step, as torch.optim arranges.
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if decoupled_weight_decay:
             torch._fused_adamw_(
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -116,7 +117,7 @@ def adam_update(
         return
     if maximize:
         grads = torch._foreach_neg(grads)
-    torch._foreach_add_(steps, 1.0)
+    increment_steps(steps)
     if weight_decay != 0.0:
         if decoupled_weight_decay:
             torch._foreach_mul_(params, 1.0 - lr * weight_decay)

@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params
 from functional._common import (
+    increment_steps,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -176,7 +177,7 @@ class FunctionalAdamax:
         beta1, beta2 = self.betas
         if self.maximize:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if self.weight_decay != 0.0:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)

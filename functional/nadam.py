@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params
 from functional._common import (
+    increment_steps,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -205,7 +206,7 @@ class FunctionalNAdam:
         beta1, beta2 = self.betas
         if self.maximize:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if self.weight_decay != 0.0:
             if self.decoupled_weight_decay:
                 torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)

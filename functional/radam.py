@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params
 from functional._common import (
+    increment_steps,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -189,7 +190,7 @@ class FunctionalRAdam:
         if len(params) == 0:
             return
         beta1, beta2 = self.betas
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if self.maximize:
             grads = torch._foreach_neg(grads)
         rho_inf = 2.0 / (1.0 - beta2) - 1.0

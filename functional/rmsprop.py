@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params
 from functional._common import (
+    increment_steps,
     check_gradients,
     new_step,
     fresh_zeros_like,
@@ -200,7 +201,7 @@ class FunctionalRMSprop:
         alpha = self.alpha
         if self.maximize:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         if self.weight_decay != 0.0:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         torch._foreach_mul_(square_avgs, alpha)

@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_etas, check_lr, check_params
 from functional._common import (
+    increment_steps,
     check_gradients,
     new_step,
     fresh_zeros_like,
@@ -171,7 +172,7 @@ class FunctionalRprop:
             return
         etaminus, etaplus = self.etas
         step_size_min, step_size_max = self.step_sizes
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         signs = torch._foreach_mul(grads, prevs)
         if self.maximize:
             torch._foreach_neg_(signs)
