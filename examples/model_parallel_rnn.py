@@ -11,10 +11,19 @@ each worker's gradients stay with its parameters, then ``distopt.DistributedOpti
 asks the three owners to update their own parameters in parallel. The text is
 ``examples/data/lighthouse.txt`` (shipped with the repository), read one character at a time.
 
+Training uses the rest of distopt's control surface: gradients are clipped by their global
+norm across the three owners (``opt.clip_grad_norm_``), the learning rate follows a
+torch.optim.lr_scheduler (cosine by default) driving the DistributedOptimizer directly, and
+``--checkpoint DIR`` saves a checkpoint every ``--save-every`` steps: the optimizer state as
+one shard per owner (``opt.save``), plus the model's weights and the scheduler's state.
+``--resume`` continues from the last checkpoint in DIR exactly where it stopped.
+
 One machine (spawns the three processes on 127.0.0.1, a free port)::
 
     python examples/model_parallel_rnn.py
     python examples/model_parallel_rnn.py --steps 200 --optimizer AdamW --lr 2e-3
+    python examples/model_parallel_rnn.py --checkpoint ckpt --stop-after 150  # "interrupted"
+    python examples/model_parallel_rnn.py --checkpoint ckpt --resume          # steps 151...
 
 Several machines: start one process per role with ``torchrun`` (rank 0 is the trainer,
 rank 1 ``ps0``, rank 2 ``ps1``; only the trainer reads the text)::
@@ -32,7 +41,7 @@ import math
 import os
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -91,6 +100,17 @@ def parameter_rrefs(module_rref: rpc.RRef) -> List[rpc.RRef]:
     return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
 
 
+def module_state(module_rref: rpc.RRef) -> Dict[str, Tensor]:
+    """RPC target: a copy of the module's weights."""
+    return {k: v.detach().clone() for k, v in module_rref.local_value().state_dict().items()}
+
+
+def load_module_state(module_rref: rpc.RRef, state: Dict[str, Tensor]) -> None:
+    """RPC target: overwrite the module's weights in place (its parameters keep their identity,
+    so the optimizer's RRefs to them stay valid)."""
+    module_rref.local_value().load_state_dict(state)
+
+
 # ---------------------------------------------------------------- the model, on the trainer
 
 
@@ -127,6 +147,20 @@ class SplitLanguageModel(nn.Module):
         remote = rpc.rpc_sync("ps0", parameter_rrefs, args=(self.embedding_rref,))
         remote += rpc.rpc_sync("ps1", parameter_rrefs, args=(self.decoder_rref,))
         return remote + [rpc.RRef(p) for p in self.lstm.parameters()]
+
+    def weights(self) -> Dict[str, Dict[str, Tensor]]:
+        """Every part's weights, gathered on the trainer (for a checkpoint)."""
+        return {
+            "embedding": rpc.rpc_sync("ps0", module_state, args=(self.embedding_rref,)),
+            "lstm": {k: v.detach().clone() for k, v in self.lstm.state_dict().items()},
+            "decoder": rpc.rpc_sync("ps1", module_state, args=(self.decoder_rref,)),
+        }
+
+    def load_weights(self, weights: Dict[str, Dict[str, Tensor]]) -> None:
+        """Put back weights from ``weights()``, in place on every worker."""
+        rpc.rpc_sync("ps0", load_module_state, args=(self.embedding_rref, weights["embedding"]))
+        self.lstm.load_state_dict(weights["lstm"])
+        rpc.rpc_sync("ps1", load_module_state, args=(self.decoder_rref, weights["decoder"]))
 
 
 # ---------------------------------------------------------------- data
@@ -176,6 +210,52 @@ class CharCorpus:
 
     def decode(self, ids: List[int]) -> str:
         return "".join(self.chars[i] for i in ids)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+TRAINER_FILE = "trainer.pt"
+
+
+def save_checkpoint(
+    directory: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler], step: int,
+    lstm_state: Optional[State] = None,
+) -> None:
+    """The optimizer state, one shard per owner, then the weights and the trainer's position.
+
+    ``trainer.pt`` is written last and atomically (temporary file, fsync, rename): it is what
+    ``--resume`` reads, so a crash while saving leaves the previous checkpoint usable.
+    """
+    os.makedirs(directory, exist_ok=True)
+    opt.save(directory)
+    trainer = {
+        "step": step,
+        "weights": model.weights(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "lstm_state": lstm_state,
+    }
+    tmp = os.path.join(directory, f".{TRAINER_FILE}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(trainer, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, TRAINER_FILE))
+
+
+def load_checkpoint(
+    directory: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler],
+) -> Tuple[int, Optional[State]]:
+    """Restore what ``save_checkpoint`` wrote; returns the step it was taken after and the
+    LSTM state carried into the next step."""
+    trainer = torch.load(os.path.join(directory, TRAINER_FILE), weights_only=True)
+    model.load_weights(trainer["weights"])
+    opt.load(directory)
+    if scheduler is not None and trainer["scheduler"] is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    lstm_state = trainer["lstm_state"]
+    return int(trainer["step"]), None if lstm_state is None else tuple(lstm_state)
 
 
 # ---------------------------------------------------------------- training
@@ -229,10 +309,22 @@ def train(options: argparse.Namespace) -> None:
     opt = distopt.DistributedOptimizer(
         optimizer_class(options.optimizer), model.parameter_rrefs(), lr=options.lr
     )
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+    if options.schedule == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+            opt, T_max=options.steps, eta_min=options.lr * 0.1
+        )
+    first_step = 1
+    state: Optional[State] = None
+    if options.resume:
+        done, state = load_checkpoint(options.checkpoint, model, opt, scheduler)
+        first_step = done + 1
+        print(f"resumed from {options.checkpoint} after step {done}", flush=True)
     print(
         f"{corpus.streams.numel()} characters, vocabulary {corpus.vocab_size}; "
         f"{options.optimizer}(lr={options.lr}) on {', '.join(WORKERS)} "
-        f"(compiled: {opt.is_functional_optim})",
+        f"(compiled: {opt.is_functional_optim}); schedule {options.schedule}, "
+        f"clip {options.clip or 'off'}",
         flush=True,
     )
     print(
@@ -242,11 +334,13 @@ def train(options: argparse.Namespace) -> None:
     )
 
     windows = corpus.windows(options.seq_len)
-    state: Optional[State] = None
+    for _ in range(first_step - 1):  # a resumed run reads the text from where it stopped
+        _, _, restarted = next(windows)
     losses: List[float] = []
+    norms: List[float] = []
     tokens_since, since = 0, time.perf_counter()
     start = since
-    for step in range(1, options.steps + 1):
+    for step in range(first_step, options.steps + 1):
         inputs, targets, restarted = next(windows)
         if restarted:
             state = None
@@ -254,7 +348,11 @@ def train(options: argparse.Namespace) -> None:
             logits, state = model(inputs, state)
             loss = F.cross_entropy(logits.reshape(-1, corpus.vocab_size), targets.reshape(-1))
             dist_autograd.backward(ctx, [loss])
+            if options.clip > 0:
+                norms.append(float(opt.clip_grad_norm_(ctx, options.clip)))
             opt.step(ctx)
+        if scheduler is not None:
+            scheduler.step()
         state = detach(state)
         losses.append(loss.item())
         tokens_since += targets.numel()
@@ -262,19 +360,30 @@ def train(options: argparse.Namespace) -> None:
             now = time.perf_counter()
             recent = losses[-options.log_every :]
             rate = tokens_since / (now - since)
+            norm = f"  grad-norm {sum(norms[-options.log_every:]) / max(1, len(norms[-options.log_every:])):.2f}" if norms else ""
             print(
                 f"step {step:5d}  loss {sum(recent) / len(recent):.3f}  "
-                f"held-out {held_out_loss(model, corpus):.3f}  tokens/s {rate:6.0f}",
+                f"held-out {held_out_loss(model, corpus):.3f}  "
+                f"lr {opt.param_groups[0]['lr']:.2e}{norm}  tokens/s {rate:6.0f}",
                 flush=True,
             )
             tokens_since, since = 0, time.perf_counter()
+        if options.checkpoint and (step % options.save_every == 0 or step == options.steps):
+            save_checkpoint(options.checkpoint, model, opt, scheduler, step, state)
+            print(f"checkpoint saved to {options.checkpoint} after step {step}", flush=True)
+        if step == options.stop_after:
+            print(f"stopping after step {step} (--stop-after)", flush=True)
+            break
+    if not losses:
+        print(f"nothing to do: the checkpoint is already at step {first_step - 1}", flush=True)
+        return
 
     k = max(1, min(10, len(losses) // 4))
     first, final = sum(losses[:k]) / k, sum(losses[-k:]) / k
     elapsed = time.perf_counter() - start
     print(
         f"loss: first {first:.3f} -> final {final:.3f} (mean of the first/last {k} steps); "
-        f"held-out {held_out_loss(model, corpus):.3f}; {options.steps} steps in {elapsed:.1f} s",
+        f"held-out {held_out_loss(model, corpus):.3f}; {len(losses)} steps in {elapsed:.1f} s",
         flush=True,
     )
     if options.sample > 0:
@@ -306,8 +415,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--sample", type=int, default=160, help="characters to sample at the end")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--text", default=DEFAULT_TEXT, help="UTF-8 training text")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="clip gradients to this global norm (0: off)")
+    parser.add_argument("--schedule", choices=("cosine", "none"), default="cosine",
+                        help="learning-rate schedule over --steps")
+    parser.add_argument("--checkpoint", default="", help="directory for checkpoints (empty: none)")
+    parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the checkpoint in --checkpoint")
+    parser.add_argument("--stop-after", type=int, default=0,
+                        help="stop after this step as if interrupted (0: run to --steps)")
     options = parser.parse_args(argv)
-    for name in ("steps", "hidden", "layers", "embedding_dim", "batch_size", "seq_len", "log_every"):
+    if options.resume and not options.checkpoint:
+        parser.error("Invalid --resume: given without --checkpoint (expected a directory)")
+    if options.resume and not os.path.exists(os.path.join(options.checkpoint, TRAINER_FILE)):
+        parser.error(f"Invalid --checkpoint: {options.checkpoint!r} holds no checkpoint to resume")
+    if options.clip < 0:
+        parser.error(f"Invalid --clip: {options.clip!r} (expected >= 0)")
+    for name in ("steps", "hidden", "layers", "embedding_dim", "batch_size", "seq_len", "log_every",
+                 "save_every"):
         if getattr(options, name) < 1:
             parser.error(f"Invalid --{name.replace('_', '-')}: {getattr(options, name)!r} (expected >= 1)")
     try:

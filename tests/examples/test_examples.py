@@ -41,6 +41,26 @@ def test_model_parallel_rnn_loss_falls() -> None:
     assert "compiled: True" in out
 
 
+def _step_lines(out: str) -> List[str]:
+    return re.findall(r"^step +\d+ +loss [\d.]+ +held-out [\d.]+ +lr \S+ +grad-norm [\d.]+", out, re.MULTILINE)
+
+
+def test_model_parallel_rnn_resume_continues_exactly(tmp_path) -> None:
+    """Interrupted after step 20 and resumed from its checkpoint, the run logs the same
+    losses, learning rates and gradient norms at steps 30 and 40 as an uninterrupted one."""
+    common = ["--steps", "40", "--log-every", "10", "--hidden", "32", "--sample", "0"]
+    straight = _step_lines(run_example("model_parallel_rnn.py", common))
+    ckpt = str(tmp_path / "ckpt")
+    first = run_example("model_parallel_rnn.py",
+                        common + ["--checkpoint", ckpt, "--save-every", "20", "--stop-after", "20"])
+    assert "stopping after step 20" in first, first
+    resumed = run_example("model_parallel_rnn.py",
+                          common + ["--checkpoint", ckpt, "--save-every", "20", "--resume"])
+    assert "resumed from" in resumed, resumed
+    assert len(straight) == 4, straight
+    assert _step_lines(resumed) == straight[2:], (straight, resumed)
+
+
 @pytest.mark.parametrize("optimizer", ["Adam", "NAdam"])  # NAdam: not compiled by torch's version
 def test_parameter_server(optimizer: str) -> None:
     out = run_example(
