@@ -1,0 +1,16 @@
+"""Embedding tables sharded over RPC workers, and optimizers that update only the rows used.
+
+``ShardedEmbedding`` splits a table's rows over owner workers and looks rows up with one
+RPC per owner; its backward pass sends each owner only its rows' gradients. ``SparseSGD``,
+``SparseAdagrad`` and ``SparseAdam`` update, on each owner, only the rows a step looked
+up, with torch.optim's semantics (or DGL's averaging of repeated rows).
+"""
+from distopt.sparse.embedding import ShardedEmbedding
+from distopt.sparse.optimizers import SparseAdagrad, SparseAdam, SparseSGD
+
+__all__ = [
+    "ShardedEmbedding",
+    "SparseAdagrad",
+    "SparseAdam",
+    "SparseSGD",
+]

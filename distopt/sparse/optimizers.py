@@ -1,0 +1,310 @@
+"""Row-sparse optimizers over ShardedEmbeddings: torch.optim's SGD, Adagrad and SparseAdam.
+
+Each is a :class:`distopt.DistributedOptimizer` over the embeddings' shards, so every owner
+updates its own shard, in parallel, with distopt's compiled functional optimizer: the
+gradient an owner finds in the autograd context is sparse, holding only the rows looked up
+in that context, and the functional optimizers' sparse paths touch only those rows (and
+their state), as torch.optim does for ``nn.Embedding(sparse=True)``. Everything else comes
+from DistributedOptimizer unchanged: ``step(context_id)``, param groups and lr schedulers,
+``state_dict`` / ``load_state_dict``, sharded ``save`` / ``load``, per-parameter locks
+(concurrent trainers lose no row update) and errors that name the failing workers.
+
+Parameters are numbered shard by shard: the shards of the first embedding in owner order,
+then those of the next.
+
+``duplicates="mean"`` (DGL's rule) averages, rather than sums, the gradients of a row
+looked up several times in one step. The context's accumulated gradient cannot count the
+lookups (see ``distopt.sparse._owner``), so the embeddings record them on their owners and
+``step`` first asks every owner, in parallel, to turn the context's gradients into
+per-row means in place; then the usual step runs. That costs one more round of RPCs per
+step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
+"""
+import logging
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+import torch
+import torch.distributed.rpc as rpc
+
+from distopt.errors import RemoteFailure, compose_error, transport_message
+from distopt.optimizer import DistributedOptimizer, check_context_id
+from distopt.sparse import _owner
+from distopt.sparse.embedding import ShardedEmbedding
+
+logger = logging.getLogger(__name__)
+
+#: What ``duplicates`` may be: torch's rule (sum) or DGL's (mean).
+DUPLICATES = ("sum", "mean")
+
+Embeddings = Union[ShardedEmbedding, Sequence[ShardedEmbedding]]
+
+
+def _shard_rrefs(embeddings: Embeddings) -> Tuple[List[ShardedEmbedding], List[rpc.RRef]]:
+    """The embeddings as a list, and their shards' RRefs in parameter order.
+
+    Raises:
+        TypeError: an item is not a ShardedEmbedding.
+        ValueError: no embeddings, or one given twice.
+    """
+    if isinstance(embeddings, ShardedEmbedding):
+        embeddings = [embeddings]
+    if isinstance(embeddings, (str, bytes)) or not isinstance(embeddings, Sequence):
+        raise TypeError(
+            f"Invalid embeddings: {type(embeddings).__name__} (expected a list of "
+            f"ShardedEmbedding)"
+        )
+    embeddings = list(embeddings)
+    if not embeddings:
+        raise ValueError("Invalid embeddings: [] (expected at least one ShardedEmbedding)")
+    seen: Dict[int, int] = {}
+    for i, emb in enumerate(embeddings):
+        if not isinstance(emb, ShardedEmbedding):
+            raise TypeError(
+                f"Invalid embeddings[{i}]: {type(emb).__name__} (expected a ShardedEmbedding)"
+            )
+        if id(emb) in seen:
+            raise ValueError(
+                f"Invalid embeddings: embeddings[{seen[id(emb)]}] and embeddings[{i}] are the "
+                f"same table (expected each table once)"
+            )
+        seen[id(emb)] = i
+    return embeddings, [rref for emb in embeddings for rref in emb.parameter_rrefs()]
+
+
+def _check_duplicates(duplicates: Any) -> None:
+    if duplicates not in DUPLICATES:
+        raise ValueError(
+            f"Invalid duplicates: {duplicates!r} (expected one of {list(DUPLICATES)!r})"
+        )
+
+
+def _check_with_torch(torch_class: type, kwargs: Dict[str, Any]) -> None:
+    """torch.optim's own argument checks, on the trainer, before any owner is contacted.
+
+    Raises:
+        ValueError: as ``torch_class`` raises it for these arguments.
+    """
+    probe = torch.zeros(1, requires_grad=True)
+    torch_class([probe], **kwargs)
+
+
+class _SparseOptimizer(DistributedOptimizer):
+    """What the three classes share: embeddings in, a DistributedOptimizer over their shards."""
+
+    _torch_class: type = torch.optim.Optimizer
+
+    def __init__(self, embeddings: Embeddings, duplicates: str, **kwargs: Any) -> None:
+        embeddings, rrefs = _shard_rrefs(embeddings)
+        _check_duplicates(duplicates)
+        _check_with_torch(self._torch_class, kwargs)
+        super().__init__(self._torch_class, rrefs, **kwargs)
+        #: The tables this optimizer updates, in parameter order.
+        self.embeddings: List[ShardedEmbedding] = embeddings
+        #: How rows looked up several times in one step combine: ``"sum"`` or ``"mean"``.
+        self.duplicates = duplicates
+        self._shards_by_owner: Dict[str, Tuple[rpc.WorkerInfo, List[int]]] = {}
+        for emb in embeddings:
+            for info, shard_id in emb.shard_ids():
+                self._shards_by_owner.setdefault(info.name, (info, []))[1].append(shard_id)
+        if duplicates == "mean":
+            for emb in embeddings:
+                emb.track_lookups = True
+
+    def step(self, context_id: int) -> None:  # type: ignore[override]
+        """Update, on every owner, the rows looked up in ``context_id``.
+
+        With ``duplicates="mean"`` every owner first averages its context gradients over
+        the lookups (one round of RPCs, in parallel), then the step runs as
+        :meth:`distopt.DistributedOptimizer.step`.
+
+        Raises:
+            TypeError: ``context_id`` is not an integer.
+            ValueError: no such live context on this worker (before any owner is contacted).
+            DistributedOptimizerError: some owners failed; names them.
+        """
+        if self.duplicates == "mean":
+            self._average_duplicates(check_context_id(context_id))
+        super().step(context_id)
+
+    def _average_duplicates(self, context_id: int) -> None:
+        futures = {}
+        for name, (info, shard_ids) in self._shards_by_owner.items():
+            try:
+                futures[name] = rpc.rpc_async(
+                    info, _owner.average_duplicates, args=(shard_ids, context_id)
+                )
+            except Exception as exc:  # reported with the others below
+                futures[name] = exc
+        failures: Dict[str, str] = {}
+        causes: List[BaseException] = []
+        for name, fut in futures.items():
+            try:
+                if isinstance(fut, BaseException):
+                    raise fut
+                result = fut.wait()
+            except Exception as exc:  # the owner died, timed out or could not be reached
+                failures[name] = transport_message(exc)
+                causes.append(exc)
+                continue
+            if isinstance(result, RemoteFailure):
+                failures[name] = result.message
+                causes.append(result.as_exception())
+        if failures:
+            raise compose_error("step", failures) from causes[0]
+
+
+class SparseSGD(_SparseOptimizer):
+    r"""SGD on the rows each step looked up, as torch.optim.SGD on ``nn.Embedding(sparse=True)``.
+
+    With :math:`g_t` the row-sparse gradient of a table (rows looked up :math:`k` times
+    summed, or averaged with ``duplicates="mean"``), momentum :math:`\mu`, dampening
+    :math:`\tau` and learning rate :math:`\gamma`:
+
+    .. math::
+        b_t &= \begin{cases} g_t & t = 1 \\ \mu b_{t-1} + (1 - \tau) g_t & t > 1 \end{cases} \\
+        \theta_t &= \theta_{t-1} - \gamma \, (g_t + \mu b_t \text{ (Nesterov) or } b_t)
+
+    Without momentum only the rows looked up change. With momentum the buffer is sparse,
+    as in torch, and keeps moving every row it has ever held.
+
+    Args:
+        embeddings: the tables to train (one ShardedEmbedding or a list).
+        lr: learning rate.
+        momentum: momentum factor.
+        dampening: dampening for momentum.
+        weight_decay: must be 0: torch.optim.SGD cannot add weight decay to a sparse
+            gradient.
+        nesterov: use Nesterov momentum.
+        maximize: maximize the objective instead of minimizing it.
+        duplicates: ``"sum"`` (torch's rule) or ``"mean"`` (DGL's: a row looked up
+            :math:`k` times in a step gets the mean of its :math:`k` gradients).
+
+    Raises:
+        TypeError: an item of ``embeddings`` is not a ShardedEmbedding.
+        ValueError: a bad argument, as torch.optim.SGD says it, a non-zero
+            ``weight_decay``, or an unknown ``duplicates``; before any owner is contacted.
+        DistributedOptimizerError: some owners failed to create their optimizer.
+    """
+
+    _torch_class = torch.optim.SGD
+
+    def __init__(
+        self,
+        embeddings: Embeddings,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        duplicates: str = "sum",
+    ) -> None:
+        if weight_decay != 0:
+            raise ValueError(
+                f"Invalid weight_decay: {weight_decay!r} (expected 0: torch.optim.SGD cannot "
+                f"add weight decay to sparse gradients)"
+            )
+        super().__init__(
+            embeddings, duplicates, lr=lr, momentum=momentum, dampening=dampening,
+            weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+        )
+
+
+class SparseAdagrad(_SparseOptimizer):
+    r"""Adagrad on the rows each step looked up, as torch.optim.Adagrad with sparse gradients.
+
+    Only the rows looked up change, they and their ``sum``. With :math:`g_t` the row-sparse
+    gradient (duplicates summed, or averaged with ``duplicates="mean"``), learning-rate
+    decay :math:`\eta` and :math:`t` counting the table's steps:
+
+    .. math::
+        s_t &= s_{t-1} + g_t^2 \\
+        \theta_t &= \theta_{t-1} - \frac{\gamma}{1 + (t - 1) \eta} \frac{g_t}{\sqrt{s_t} + \epsilon}
+
+    Args:
+        embeddings: the tables to train (one ShardedEmbedding or a list).
+        lr: learning rate.
+        lr_decay: learning-rate decay per step.
+        weight_decay: must be 0: torch.optim.Adagrad rejects weight decay with sparse
+            gradients.
+        initial_accumulator_value: starting value of ``sum``.
+        eps: term added to the denominator.
+        maximize: maximize the objective instead of minimizing it.
+        duplicates: ``"sum"`` (torch's rule) or ``"mean"`` (DGL's).
+
+    Raises:
+        TypeError: an item of ``embeddings`` is not a ShardedEmbedding.
+        ValueError: a bad argument, as torch.optim.Adagrad says it, a non-zero
+            ``weight_decay``, or an unknown ``duplicates``; before any owner is contacted.
+        DistributedOptimizerError: some owners failed to create their optimizer.
+    """
+
+    _torch_class = torch.optim.Adagrad
+
+    def __init__(
+        self,
+        embeddings: Embeddings,
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        *,
+        maximize: bool = False,
+        duplicates: str = "sum",
+    ) -> None:
+        if weight_decay != 0:
+            raise ValueError(
+                f"Invalid weight_decay: {weight_decay!r} (expected 0: torch.optim.Adagrad "
+                f"rejects weight decay with sparse gradients)"
+            )
+        super().__init__(
+            embeddings, duplicates, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
+        )
+
+
+class SparseAdam(_SparseOptimizer):
+    r"""Lazy Adam on the rows each step looked up, as torch.optim.SparseAdam.
+
+    Only the rows looked up change, they and their moments; rows not looked up keep their
+    moments instead of decaying them. With :math:`g_t` the row-sparse gradient (duplicates
+    summed, or averaged with ``duplicates="mean"``) and :math:`t` counting the table's
+    steps, on the rows it holds:
+
+    .. math::
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t, \quad
+        v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        \theta_t &= \theta_{t-1} - \gamma \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t}
+            \frac{m_t}{\sqrt{v_t} + \epsilon}
+
+    Args:
+        embeddings: the tables to train (one ShardedEmbedding or a list).
+        lr: learning rate.
+        betas: decay rates of the moment averages.
+        eps: term added to the denominator.
+        maximize: maximize the objective instead of minimizing it.
+        duplicates: ``"sum"`` (torch's rule) or ``"mean"`` (DGL's).
+
+    Raises:
+        TypeError: an item of ``embeddings`` is not a ShardedEmbedding.
+        ValueError: a bad argument, as torch.optim.SparseAdam says it, or an unknown
+            ``duplicates``; before any owner is contacted.
+        DistributedOptimizerError: some owners failed to create their optimizer.
+    """
+
+    _torch_class = torch.optim.SparseAdam
+
+    def __init__(
+        self,
+        embeddings: Embeddings,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        maximize: bool = False,
+        *,
+        duplicates: str = "sum",
+    ) -> None:
+        super().__init__(
+            embeddings, duplicates, lr=lr, betas=betas, eps=eps, maximize=maximize
+        )
