@@ -45,12 +45,20 @@ def transport_message(exc: BaseException) -> str:
     """One line for an exception from an RPC future that the owner's code did not return.
 
     RPC folds an exception raised on the callee into ``On WorkerInfo(...):``, its repr and
-    its traceback; the traceback's last line is the ``Type: message`` wanted here.
+    its traceback; the traceback's last line is the ``Type: message`` wanted here. A
+    TorchScript target's error arrives as TorchScript's traceback, ending the same way.
     """
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].startswith("On WorkerInfo("):
         return lines[-1]
+    if len(lines) > 1 and lines[0].startswith(_TORCHSCRIPT_FAILURE):
+        # A TorchScript RPC target's error: its traceback, then ``builtins.Type: message``.
+        last = lines[-1]
+        return last[len("builtins."):] if last.startswith("builtins.") else last
     return one_line(exc)
+
+
+_TORCHSCRIPT_FAILURE = "The following operation failed in the TorchScript interpreter."
 
 
 @dataclasses.dataclass

@@ -3,15 +3,16 @@ import dataclasses
 import inspect
 import logging
 import operator
+import threading
 from collections import defaultdict
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from distopt import checkpoint, clipping, owner, state
+from distopt import checkpoint, clipping, exclusive, owner, state
 from distopt.errors import compose_error
 from distopt.fanout import call_async, wait_all
 from distopt.param_groups import (
@@ -36,6 +37,8 @@ class OwnerPart:
         id: the local optimizer's key on the owner, sent with every step instead of the RRef.
         groups: the global param group of each of its local groups.
         indices: for each local group, the global indices of its parameters.
+        script: while the local optimizer is exclusive, the RRef that
+            ``distopt.exclusive.script_step`` steps it through; None: the locked path.
     """
 
     info: rpc.WorkerInfo
@@ -43,6 +46,7 @@ class OwnerPart:
     id: int
     groups: List[int]
     indices: List[List[int]]
+    script: Optional[rpc.RRef] = None
 
     @property
     def name(self) -> str:
@@ -72,7 +76,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     number of trainers, each with its own DistributedOptimizer over the same parameters,
     lose no update, while optimizers over disjoint parameters step in parallel. As with
     torch's version, nothing orders one trainer's forward, backward and step against
-    another's.
+    another's. A compiled local optimizer that shares no parameter with another on its
+    owner needs no lock there: it steps through a TorchScript RPC, without the owner's GIL,
+    until another optimizer over its parameters is created (see :mod:`distopt.exclusive`).
+    One DistributedOptimizer runs one owner-facing operation (step, state_dict, save,
+    clipping, ...) at a time; calls from several threads wait for each other.
 
     Parameters are numbered in the order given, flattened over the groups, as torch.optim
     numbers them in its ``state_dict``.
@@ -118,6 +126,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         user_groups = normalize_param_groups(params_rref)
         self._init_optimizer_fields()
         self.optimizer_class = optimizer_class
+        #: Held around every owner-facing operation: one in flight at a time.
+        self._lock = threading.Lock()
+        #: Owners that switched this optimizer to the locked path (``_switch_to_locked``).
+        self._locked_owners: Set[str] = set()
+        self._owners: List[OwnerPart] = []
+        # Registered before any owner hears of it: an owner may switch it mid-construction.
+        self._key = exclusive.register(self)
+        me = rpc.get_worker_info()
+        self._worker_id: int = me.id
+        trainer = (me.name, self._key)
 
         functional_cls = functional_optim_map.get(optimizer_class)
         # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
@@ -151,14 +169,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             call_args, call_kwargs = as_keywords(optimizer_class, args, kwargs)
             calls = {
                 name: (info, owner.new_compiled_local_optimizer,
-                       (functional_cls, optimizer_class, specs(parts), call_args, call_kwargs))
+                       (functional_cls, optimizer_class, specs(parts), call_args, call_kwargs,
+                        trainer))
                 for name, (info, parts) in by_owner.items()
             }
         else:
             logger.info("%s runs eagerly on its owners (no functional stand-in)", optimizer_class)
             calls = {
                 name: (info, owner.new_eager_local_optimizer,
-                       (optimizer_class, specs(parts), args, kwargs))
+                       (optimizer_class, specs(parts), args, kwargs, trainer))
                 for name, (info, parts) in by_owner.items()
             }
         futures = {name: call_async(to, f, a, {}) for name, (to, f, a) in calls.items()}
@@ -169,7 +188,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             del created, results, futures  # the traceback must not keep the RRefs alive
             raise compose_error("construction", failures) from causes[0]
 
-        self._owners: List[OwnerPart] = []
+        owners: List[OwnerPart] = []
         described: Dict[int, Dict[str, Any]] = {}
         shapes: Dict[int, Tuple[int, ...]] = {}
         dtypes: Dict[int, torch.dtype] = {}
@@ -178,9 +197,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for name, (rref, info) in results.items():
             parts = by_owner[name][1]
             part = OwnerPart(
-                by_owner[name][0], rref, info["id"], list(parts), [indices for _, indices in parts.values()]
+                by_owner[name][0], rref, info["id"], list(parts),
+                [indices for _, indices in parts.values()], info["script"],
             )
-            self._owners.append(part)
+            owners.append(part)
             for j, g in enumerate(part.groups):
                 described.setdefault(g, info["hyper"][j])
                 for i, shape, dtype in zip(part.indices[j], info["shapes"][j], info["dtypes"][j]):
@@ -188,6 +208,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     dtypes[i] = dtype
             settable = info["settable"] if settable is None else settable
             eager_defaults = info["defaults"] if eager_defaults is None else eager_defaults
+        with self._lock:  # an owner may have switched a part while the others were built
+            for part in owners:
+                if part.name in self._locked_owners:
+                    part.script = None
+            self._owners = owners
         self.remote_optimizers: List[rpc.RRef] = [part.rref for part in self._owners]
         self._param_shapes: List[torch.Size] = [shapes[i] for i in range(n)]
         self._param_dtypes: List[torch.dtype] = [dtypes[i] for i in range(n)]
@@ -243,25 +268,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 cannot change was changed (both checked before any owner is contacted).
             DistributedOptimizerError: some owners failed, or could not be reached.
         """
-        context_id = check_context_id(context_id)
-        changes = pending_changes(
-            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
-        )
-        futures = {}
-        for part in self._owners:
-            local_changes = [
-                (j, key, value)
-                for j, g in enumerate(part.groups)
-                for key, value in changes.get(g, {}).items()
-            ]
-            args: tuple = (part.id, context_id, local_changes) if local_changes else (
-                part.id, context_id)
-            futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
-        _, failures, causes = wait_all(futures)
-        if failures:
-            raise compose_error("step", failures) from causes[0]
-        for g, values in changes.items():
-            self._sent[g].update({k: snapshot(v) for k, v in values.items()})
+        with self._lock:
+            context_id, context = _live_context(context_id)
+            changes = pending_changes(
+                self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+            )
+            reached: Optional[Set[int]] = None
+            futures = {}
+            for part in self._owners:
+                local_changes = [
+                    (j, key, value)
+                    for j, g in enumerate(part.groups)
+                    for key, value in changes.get(g, {}).items()
+                ]
+                if part.script is not None and not local_changes:
+                    if reached is None:
+                        reached = set(context._known_worker_ids())
+                        reached.add(self._worker_id)
+                    # Only an owner this context reached surely holds it; another may hold
+                    # it through a nested RPC, or not at all, which the locked path handles.
+                    if part.info.id in reached:
+                        futures[part.name] = call_async(
+                            part.info, exclusive.script_step, (part.script, context_id), {}
+                        )
+                        continue
+                args: tuple = (part.id, context_id, local_changes) if local_changes else (
+                    part.id, context_id)
+                futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
+            _, failures, causes = wait_all(futures)
+            if failures:
+                raise compose_error("step", failures) from causes[0]
+            for g, values in changes.items():
+                self._sent[g].update({k: snapshot(v) for k, v in values.items()})
+
+    def _switch_to_locked(self, owner_name: str) -> None:
+        """Step the local optimizer on ``owner_name`` through its locks from now on.
+
+        Called by ``distopt.exclusive.switch_to_locked`` on an RPC thread; returns once no
+        operation of this optimizer is in flight.
+        """
+        with self._lock:
+            self._locked_owners.add(owner_name)
+            for part in self._owners:
+                if part.name == owner_name:
+                    part.script = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Does nothing: gradients live in each autograd context, never in ``.grad``.
@@ -295,7 +345,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             DistributedOptimizerError: some owners failed or could not be reached.
         """
-        return state.gather_state_dict(self)
+        with self._lock:
+            return state.gather_state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer.
@@ -313,7 +364,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 optimizer fixes at construction; it names what differs.
             DistributedOptimizerError: some owners failed or could not be reached.
         """
-        state.load_state_dict(self, state_dict)
+        with self._lock:
+            state.load_state_dict(self, state_dict)
 
     def save(self, path: str) -> Dict[str, Any]:
         """Write a sharded checkpoint into the directory ``path``; see :mod:`distopt.checkpoint`.
@@ -321,11 +373,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns:
             The manifest written.
         """
-        return checkpoint.save(self, path)
+        with self._lock:
+            return checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save``; see :mod:`distopt.checkpoint`."""
-        checkpoint.load(self, path)
+        with self._lock:
+            checkpoint.load(self, path)
 
     def clip_grad_norm_(
         self,
@@ -339,9 +393,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         As :func:`torch.nn.utils.clip_grad_norm_`; see :func:`distopt.clipping.clip_grad_norm_`.
         """
-        return clipping.clip_grad_norm_(
-            self, context_id, max_norm, norm_type, error_if_nonfinite, foreach
-        )
+        with self._lock:
+            return clipping.clip_grad_norm_(
+                self, context_id, max_norm, norm_type, error_if_nonfinite, foreach
+            )
 
     def clip_grad_value_(
         self, context_id: int, clip_value: float, foreach: Optional[bool] = None
@@ -350,7 +405,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         As :func:`torch.nn.utils.clip_grad_value_`; see :func:`distopt.clipping.clip_grad_value_`.
         """
-        clipping.clip_grad_value_(self, context_id, clip_value, foreach)
+        with self._lock:
+            clipping.clip_grad_value_(self, context_id, clip_value, foreach)
 
     @property
     def owners(self) -> List[OwnerPart]:
@@ -365,6 +421,11 @@ def check_context_id(context_id: Any) -> int:
         TypeError: not an integer.
         ValueError: no such live context.
     """
+    return _live_context(context_id)[0]
+
+
+def _live_context(context_id: Any) -> Tuple[int, Any]:
+    """(``context_id`` as an int, the live autograd context it names); raises as above."""
     try:
         context_id = operator.index(context_id)
     except TypeError:
@@ -373,13 +434,12 @@ def check_context_id(context_id: Any) -> int:
             f"dist_autograd.context())"
         ) from None
     try:
-        dist_autograd._retrieve_context(context_id)
+        return context_id, dist_autograd._retrieve_context(context_id)
     except RuntimeError as exc:
         raise ValueError(
             f"Invalid context_id: {context_id!r} (expected the id of a live "
             f"dist_autograd.context() on this worker)"
         ) from exc
-    return context_id
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:

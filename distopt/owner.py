@@ -3,8 +3,8 @@
 A local optimizer is either compiled (one functional optimizer per param group, inside one
 TorchScript module whose step reads the autograd context's gradients and runs without the
 GIL) or eager (any torch.optim class built with the param groups, fed through ``.grad``).
-Both are stepped by ``step_local_optimizer``, the function every step RPC calls: take the
-parameters' locks, apply any hyper-parameter changes the trainer piggybacked, make one
+Both are stepped by ``step_local_optimizer``, the function every locked step RPC calls: take
+the parameters' locks, apply any hyper-parameter changes the trainer piggybacked, make one
 call, release.
 
 Locks belong to parameters. The first optimizer to touch a parameter gives it, and every
@@ -12,6 +12,11 @@ other new parameter in that optimizer, one fresh lock with the next sequence num
 optimizers reuse the locks already there. An optimizer takes its distinct locks in sequence
 order, so trainers over the same parameters serialize, optimizers over disjoint parameters
 run in parallel, and overlapping sets cannot deadlock.
+
+Each lock knows the live local optimizers that use it. A compiled optimizer that shares no
+lock with another is exclusive: its trainer steps it with ``distopt.exclusive.script_step``,
+no Python and no lock here. Creating an optimizer over a lock that an exclusive one uses
+first switches that one to the locked path (see ``distopt.exclusive``).
 """
 import contextlib
 import inspect
@@ -27,6 +32,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from distopt import exclusive
 from distopt.errors import RemoteFailure, returns_failure
 from functional import load_torch_state_dict, to_torch_state_dict
 from functional._state import group_keys
@@ -44,13 +50,17 @@ _compile_lock = threading.Lock()
 
 
 class _ParamLock:
-    """A lock shared by a batch of parameters, ordered by when the batch was first seen."""
+    """A lock shared by a batch of parameters, ordered by when the batch was first seen.
 
-    __slots__ = ("sequence", "lock")
+    ``users`` are the live local optimizers that take it (changed under ``_registry_lock``).
+    """
+
+    __slots__ = ("sequence", "lock", "users", "__weakref__")
 
     def __init__(self, sequence: int) -> None:
         self.sequence = sequence
         self.lock = threading.Lock()
+        self.users: "weakref.WeakSet[LocalOptimizer]" = weakref.WeakSet()
 
 
 _registry_lock = threading.Lock()
@@ -69,13 +79,18 @@ def locks_for(params: List[Tensor]) -> List[threading.Lock]:
         The locks, sorted by sequence number.
     """
     with _registry_lock:
-        new = [p for p in params if p not in _param_locks]
-        if new:
-            shared = _ParamLock(next(_sequence))
-            for p in new:
-                _param_locks[p] = shared
-        distinct = {id(pl): pl for pl in (_param_locks[p] for p in params)}
-    return [pl.lock for pl in sorted(distinct.values(), key=lambda pl: pl.sequence)]
+        return [pl.lock for pl in _param_locks_for(params)]
+
+
+def _param_locks_for(params: List[Tensor]) -> List[_ParamLock]:
+    """``locks_for``'s entries themselves; the caller holds ``_registry_lock``."""
+    new = [p for p in params if p not in _param_locks]
+    if new:
+        shared = _ParamLock(next(_sequence))
+        for p in new:
+            _param_locks[p] = shared
+    distinct = {id(pl): pl for pl in (_param_locks[p] for p in params)}
+    return sorted(distinct.values(), key=lambda pl: pl.sequence)
 
 
 @contextlib.contextmanager
@@ -121,8 +136,18 @@ class _CompiledLocalOptimizer(torch.nn.Module):
         self.optims = [
             functional_cls(ps, *args, **kw) for ps, kw in zip(group_params, group_kwargs)
         ]
+        #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
+        #: stops being exclusive or is released, for a trainer that missed the switch.
+        self.refusal = ""
 
     def forward(self, autograd_ctx_id: int) -> None:
+        self.step_context(autograd_ctx_id)
+
+    @torch.jit.export
+    def step_exclusive(self, autograd_ctx_id: int) -> None:
+        """``step_context`` without the locks, for an optimizer that nobody shares."""
+        if self.refusal != "":
+            raise RuntimeError(self.refusal)
         self.step_context(autograd_ctx_id)
 
     @torch.jit.export
@@ -217,6 +242,10 @@ class LocalOptimizer:
         optim: the torch.optim optimizer (eager path) or None (functional path).
         optimizer_class: the class the user asked for (its state_dict format is used).
         step_context: ``step_context(autograd_ctx_id)``, unlocked.
+        trainer: (worker name, key) of the DistributedOptimizer that created this one, for
+            ``distopt.exclusive.switch_to_locked``; None when no trainer can be switched.
+        exclusive: whether its trainer may step it without the locks (``script_step``).
+        python_steps: how many steps the locked Python path has taken (under the locks).
     """
 
     def __init__(
@@ -227,11 +256,22 @@ class LocalOptimizer:
         optim: Any,
         module: Optional[torch.nn.Module] = None,
         optimizer_class: Optional[type] = None,
+        trainer: Optional[Tuple[str, int]] = None,
     ) -> None:
         self.group_params = group_params
         self.params = [p for ps in group_params for p in ps]
         self.global_indices = global_indices
-        self.locks = locks_for(self.params)
+        self.trainer = trainer
+        self.python_steps = 0
+        with _registry_lock:
+            self._param_locks = _param_locks_for(self.params)
+            sharers = {lo for pl in self._param_locks for lo in pl.users}
+            for pl in self._param_locks:
+                pl.users.add(self)
+            self.exclusive = module is not None and trainer is not None and not sharers
+            #: The exclusive optimizers to switch to the locked path before this one steps.
+            self.to_revoke = [lo for lo in sharers if lo.exclusive]
+        self.locks = [pl.lock for pl in self._param_locks]
         self.step_context = step_context
         self.optim = optim
         self.module = module
@@ -355,10 +395,23 @@ class LocalOptimizer:
             settable.append(key)
         return settable
 
+    def end_exclusive(self, refusal: str) -> None:
+        """Refuse unlocked steps from now on, with ``refusal`` as the error's message."""
+        self.exclusive = False
+        module = self.module
+        if module is not None:
+            module.refusal = refusal
+
     def close(self) -> None:
         """Drop the optimizer and its state now, before the RRef protocol frees this object."""
         _live_local_optimizers.discard(self)
         _by_id.pop(self.id, None)
+        with _registry_lock:
+            for pl in self._param_locks:
+                pl.users.discard(self)
+            self._param_locks = []
+        # The trainer's RRef to the scripted module may outlive this object.
+        self.end_exclusive("Invalid local optimizer: it was released (expected a live one)")
         self.step_context = _closed_step
         self.group_params = []
         self.params = []
@@ -426,6 +479,7 @@ def new_compiled_local_optimizer(
     specs: List[GroupSpec],
     args: tuple,
     kwargs: Dict[str, Any],
+    trainer: Optional[Tuple[str, int]] = None,
 ) -> Tuple[rpc.RRef, Dict[str, Any]]:
     """RPC target: compile functional optimizers, one per group, over the local parameters.
 
@@ -435,9 +489,13 @@ def new_compiled_local_optimizer(
         specs: the local part of each param group that has parameters here.
         args: positional arguments for the optimizer, after the parameters.
         kwargs: keyword arguments shared by every group; a group's own options win.
+        trainer: (worker name, key) of the creating DistributedOptimizer; None keeps the
+            new optimizer on the locked path.
 
     Returns:
         (an RRef to the new ``LocalOptimizer``, its ``describe()``), or a ``RemoteFailure``.
+        The description's ``script`` is an RRef for ``distopt.exclusive.script_step`` when
+        the optimizer is exclusive, else None.
     """
     group_params, global_indices = _local_groups(specs)
     accepted = set(inspect.signature(functional_cls).parameters)
@@ -450,16 +508,26 @@ def new_compiled_local_optimizer(
         scripted = torch.jit.script(module)
     # The scripted module holds its own copies of the optimizers; keep only the module.
     local = LocalOptimizer(
-        group_params, global_indices, scripted.step_context, None, scripted, optimizer_class
+        group_params, global_indices, scripted.step_context, None, scripted, optimizer_class,
+        trainer,
     )
-    return rpc.RRef(local), {**local.describe(), "id": local.id}
+    _revoke_exclusive(local)
+    script = rpc.RRef(scripted, exclusive.ExclusiveStep) if local.exclusive else None
+    return rpc.RRef(local), {**local.describe(), "id": local.id, "script": script}
 
 
 @returns_failure
 def new_eager_local_optimizer(
-    optim_cls: type, specs: List[GroupSpec], args: tuple, kwargs: Dict[str, Any]
+    optim_cls: type,
+    specs: List[GroupSpec],
+    args: tuple,
+    kwargs: Dict[str, Any],
+    trainer: Optional[Tuple[str, int]] = None,
 ) -> Tuple[rpc.RRef, Dict[str, Any]]:
     """RPC target: construct a torch.optim optimizer over the local param groups.
+
+    An eager optimizer is never exclusive, but it ends the exclusivity of those it shares
+    locks with, as a compiled one does.
 
     Returns:
         (an RRef to the new ``LocalOptimizer``, its ``describe()``), or a ``RemoteFailure``.
@@ -468,14 +536,69 @@ def new_eager_local_optimizer(
     eager = _EagerStep(
         optim_cls, group_params, [options for _, _, options in specs], tuple(args), kwargs
     )
-    local = LocalOptimizer(group_params, global_indices, eager, eager.optim, None, optim_cls)
-    return rpc.RRef(local), {**local.describe(), "id": local.id}
+    local = LocalOptimizer(
+        group_params, global_indices, eager, eager.optim, None, optim_cls, trainer
+    )
+    _revoke_exclusive(local)
+    return rpc.RRef(local), {**local.describe(), "id": local.id, "script": None}
+
+
+def _revoke_exclusive(local: LocalOptimizer) -> None:
+    """Switch the exclusive optimizers ``local`` shares locks with to the locked path.
+
+    Called by the constructor handlers before ``local`` is handed to its trainer, so it
+    cannot step before the switch. For each, a nested RPC to its trainer
+    (``distopt.exclusive.switch_to_locked``) returns once that trainer has no operation of
+    it in flight and sends every later step through ``step_local_optimizer``. A trainer
+    that cannot be reached is logged; the optimizer's unlocked steps are refused from then
+    on either way. One whose trainer has collected it is released now, and if that leaves
+    ``local`` alone on its locks, ``local`` becomes exclusive (a trainer replacing its
+    optimizer keeps the fast path). When a sharer is released later, the survivors stay on
+    the locked path: simpler than handing exclusivity back, and always safe.
+    """
+    doomed, local.to_revoke = local.to_revoke, []
+    if not doomed:
+        return
+    me = rpc.get_worker_info().name
+    futures = []
+    for other in doomed:
+        trainer_name, key = other.trainer
+        try:
+            fut = rpc.rpc_async(trainer_name, exclusive.switch_to_locked, args=(key, me))
+        except Exception as exc:  # unknown or shut-down worker
+            fut = torch.futures.Future()
+            fut.set_exception(exc)
+        futures.append(fut)
+    gone = []
+    for other, fut in zip(doomed, futures):
+        try:
+            alive = fut.wait()
+        except Exception as exc:  # a dead trainer can no longer step its optimizer
+            logger.warning(
+                "could not switch local optimizer %d of trainer %s to the locked path: %s",
+                other.id, other.trainer[0], exc,
+            )
+            alive = True
+        other.end_exclusive(
+            f"Invalid step: local optimizer {other.id} on {me} now shares parameters "
+            f"(expected its trainer to step it through the locks)"
+        )
+        if not alive:
+            gone.append(other)
+    for other in gone:
+        other.close()
+    if gone and local.module is not None and local.trainer is not None:
+        with _registry_lock:
+            # Whoever registered meanwhile saw ``local`` as not exclusive and is a user now.
+            local.exclusive = all(
+                lo is local for pl in local._param_locks for lo in pl.users
+            )
 
 
 def step_local_optimizer(
     optimizer: Union[int, rpc.RRef], autograd_ctx_id: int, changes: Optional[List[Change]] = None
 ) -> Optional[RemoteFailure]:
-    """RPC target of every step: lock, apply piggybacked changes, one call into the step, unlock.
+    """RPC target of every locked step: lock, apply piggybacked changes, one call, unlock.
 
     An owner that took no part in the backward pass has no such context: it only applies
     the changes.
@@ -498,6 +621,7 @@ def step_local_optimizer(
         else:
             local = optimizer.local_value()
         with holding(local.locks):
+            local.python_steps += 1
             if changes:
                 try:
                     local.apply_changes(changes)
@@ -529,6 +653,8 @@ def set_local_hyperparameter(
     optimizer_rref: rpc.RRef, name: str, value: List[float], group: Optional[int] = None
 ) -> None:
     """RPC target: change a hyper-parameter of a compiled local optimizer, under its locks.
+
+    An exclusive optimizer's steps take no lock: call this between its trainer's steps.
 
     Args:
         optimizer_rref: the local optimizer.

@@ -211,6 +211,35 @@ def release_lock(param_rref: rpc.RRef) -> None:
 
 
 
+def python_steps(optimizer_rref: rpc.RRef) -> int:
+    """How many steps the local optimizer took through the locked Python path."""
+    return optimizer_rref.local_value().python_steps
+
+
+def is_exclusive(optimizer_rref: rpc.RRef) -> bool:
+    """Whether the local optimizer may be stepped without its locks."""
+    return optimizer_rref.local_value().exclusive
+
+
+def refuse_unlocked_steps(optimizer_rref: rpc.RRef, message: str) -> None:
+    """End the local optimizer's exclusivity behind its trainer's back (a missed switch)."""
+    optimizer_rref.local_value().end_exclusive(message)
+
+
+def orphan_exclusive(param_rref: rpc.RRef) -> Tuple[rpc.RRef, Optional[rpc.RRef]]:
+    """An exclusive compiled SGD (lr 1) whose trainer, "nobody", cannot be reached.
+
+    Returns its RRef and the RRef ``distopt.exclusive.script_step`` steps it through.
+    """
+    from functional import functional_optim_map
+
+    specs = [([param_rref], [0], {})]
+    local, info = owner.new_compiled_local_optimizer(
+        functional_optim_map[torch.optim.SGD], torch.optim.SGD, specs, (), {"lr": 1.0},
+        ("nobody", 1),
+    )
+    return local, info["script"]
+
 
 # ---------------------------------------------------------------- a user's functional optimizer
 

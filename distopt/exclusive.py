@@ -1,0 +1,79 @@
+"""The exclusive fast path: a compiled local optimizer that nobody shares steps GIL-free.
+
+Every locked step runs Python on the owner (unpickle, take the locks, call), and each time a
+Python RPC handler takes the GIL back it can wait a whole switch interval behind a busy
+interpreter. TorchScript has no lock, so a step that runs no Python cannot take one. It needs
+none while two things hold:
+
+- on the owner, no other live local optimizer shares a lock with this one (the owner's
+  lock registry tracks who uses each lock): the optimizer is *exclusive*;
+- on the trainer, one DistributedOptimizer never has two operations in flight (each holds
+  its own ``threading.Lock`` around every owner-facing operation).
+
+The trainer then steps such an optimizer with ``script_step``, a TorchScript RPC that calls
+the scripted module through an RRef, no Python on the owner. When an owner creates a local
+optimizer over a lock that an exclusive one uses, it first asks that one's trainer, with a
+nested RPC to ``switch_to_locked``, to send its later steps through the locked Python path;
+the trainer answers once no operation of that optimizer is in flight. Only then does the
+new optimizer exist for anyone to step.
+"""
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.rpc import RRef
+
+__all__ = ["ExclusiveStep", "register", "script_step", "switch_to_locked"]
+
+
+@torch.jit.interface
+class ExclusiveStep:
+    """What ``script_step`` calls on the scripted module behind the RRef."""
+
+    def step_exclusive(self, autograd_ctx_id: int) -> None:
+        pass
+
+
+@torch.jit.script
+def script_step(optimizer: RRef[ExclusiveStep], autograd_ctx_id: int) -> None:
+    """TorchScript RPC target: one unlocked step of an exclusive local optimizer.
+
+    The RRef, not an int id, names the optimizer: a TorchScript function can reach no
+    Python registry. Sent back to its owner it costs one extra message (the owner's child
+    accept), sent from C++, which takes no GIL.
+    """
+    optimizer.local_value().step_exclusive(autograd_ctx_id)
+
+
+# ---------------------------------------------------------------- trainer side
+
+_instances: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
+_instances_lock = threading.Lock()
+
+
+def register(instance: Any) -> int:
+    """Give a trainer-side optimizer the key its owners use to reach it; held weakly.
+
+    ``instance`` must have ``_switch_to_locked(owner_name)``.
+    """
+    with _instances_lock:
+        key = next(_keys)
+        _instances[key] = instance
+    return key
+
+
+def switch_to_locked(key: int, owner_name: str) -> bool:
+    """RPC target on a trainer: step optimizer ``key`` on ``owner_name`` through the locks.
+
+    Returns:
+        True once the optimizer has no operation in flight and every later step to that
+        owner takes the locked path; False when it was collected (it will never step again).
+    """
+    instance = _instances.get(key)
+    if instance is None:
+        return False
+    instance._switch_to_locked(owner_name)
+    return True
