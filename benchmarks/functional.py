@@ -47,8 +47,12 @@ def median_ms(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth_gbs(numel: int = 1 << 24, repeats: int = 20) -> float:
-    """Measured memory bandwidth of a large float32 copy (bytes read + written per second)."""
+def copy_bandwidth_gbs(numel: int = 1 << 23, repeats: int = 20) -> float:
+    """Measured memory bandwidth of a float32 copy (bytes read + written per second).
+
+    The default copies 32 MB into 32 MB: the footprint of the large case's parameter and
+    gradient, so that caches help the copy as much as they help the update.
+    """
     src, dst = torch.randn(numel), torch.empty(numel)
     ms = median_ms(lambda: dst.copy_(src), repeats)
     return 2 * numel * 4 / (ms / 1e3) / 1e9
@@ -59,8 +63,8 @@ def _gradients(shapes, sparse: bool, gen: torch.Generator) -> List[torch.Tensor]
     return [g.to_sparse() for g in grads] if sparse else grads
 
 
-def time_torch(cls: type, shapes, kwargs, impl: Dict[str, bool], repeats: int) -> Optional[float]:
-    """Median step time of torch.optim ``cls`` with implementation flags ``impl``; None if n/a."""
+def torch_step(cls: type, shapes, kwargs, impl: Dict[str, bool]) -> Optional[Callable[[], None]]:
+    """One step of torch.optim ``cls`` with implementation flags ``impl``; None if n/a."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
     for p, g in zip(params, _gradients(shapes, cls is torch.optim.SparseAdam, gen)):
@@ -71,11 +75,11 @@ def time_torch(cls: type, shapes, kwargs, impl: Dict[str, bool], repeats: int) -
     except (RuntimeError, TypeError, ValueError) as exc:
         logger.debug("%s %s not available: %s", cls.__name__, impl, exc)
         return None
-    return median_ms(opt.step, repeats)
+    return opt.step
 
 
-def time_functional(cls: type, shapes, kwargs, repeats: int) -> Tuple[float, int]:
-    """Median compiled step time, and the bytes of optimizer state per step."""
+def functional_step(cls: type, shapes, kwargs) -> Tuple[Callable[[], None], int]:
+    """One compiled functional step, and the bytes of optimizer state it updates."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen) for s in shapes]
     grads = _gradients(shapes, cls is torch.optim.SparseAdam, gen)
@@ -87,7 +91,19 @@ def time_functional(cls: type, shapes, kwargs, repeats: int) -> Tuple[float, int
         for key, t in entry.items()
         if key != "step"
     )
-    return median_ms(lambda: optim.step(grads), repeats), state_bytes
+    return (lambda: optim.step(grads)), state_bytes
+
+
+def interleaved_medians(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, float]:
+    """Median ms of each step, timed in turns (one of each per round) so that every
+    implementation sees the same machine and allocator state."""
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _fmt(ms: Optional[float]) -> str:
@@ -118,13 +134,17 @@ def main() -> None:
         kwargs = KWARGS.get(cls, {})
         for label, shapes in (("1 x 4M", LARGE), ("2000 x 32", MANY)):
             repeats = max(3, args.repeats // 5) if cls is torch.optim.Muon else args.repeats
-            torch_ms = {
-                name: time_torch(cls, shapes, kwargs, impl, repeats)
-                for name, impl in (("default", {}), ("foreach", {"foreach": True}),
-                                   ("fused", {"fused": True}))
-            }
-            ours, state_bytes = time_functional(cls, shapes, kwargs, repeats)
-            fastest = min(v for v in torch_ms.values() if v is not None)
+            steps: Dict[str, Callable[[], None]] = {}
+            for name, impl in (("default", {}), ("foreach", {"foreach": True}),
+                               ("fused", {"fused": True})):
+                step = torch_step(cls, shapes, kwargs, impl)
+                if step is not None:
+                    steps[name] = step
+            steps["distopt"], state_bytes = functional_step(cls, shapes, kwargs)
+            medians = interleaved_medians(steps, repeats)
+            ours = medians.pop("distopt")
+            torch_ms = {name: medians.get(name) for name in ("default", "foreach", "fused")}
+            fastest = min(medians.values())
             floor = ratio_floor = None
             if shapes is LARGE:
                 numel = sum(torch.Size(s).numel() for s in shapes)

@@ -63,8 +63,9 @@ def gather(
         for i in group:
             g = gradients[i]
             if g is not None:
-                if not g.is_same_size(params[i]) or g.dtype != params[i].dtype:
-                    _raise_mismatch(i, g, params[i])
+                p = params[i]
+                if not g.is_same_size(p) or g.dtype != p.dtype:
+                    _raise_mismatch(i, g, p)
                 idx.append(i)
                 grads.append(g)
         batches.append((idx, grads))

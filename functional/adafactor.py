@@ -286,5 +286,11 @@ class FunctionalAdafactor:
             u = estimates[j]
             u_rms = float(torch.linalg.vector_norm(u, 2.0).item()) / ((u.numel() ** 0.5) * self.d)
             scales.append(-alphas[j] / max(1.0, u_rms))
-        torch._foreach_mul_(estimates, scales)
-        torch._foreach_add_(params, estimates)
+        if len(params) <= 16:
+            # A few (<= 16) tensors: one pass each (param += scale * update) beats the foreach
+            # pair (scale the updates, then add), which reads and writes every update twice.
+            for j in range(len(params)):
+                params[j].add_(estimates[j], alpha=scales[j])
+        else:
+            torch._foreach_mul_(estimates, scales)
+            torch._foreach_add_(params, estimates)

@@ -148,16 +148,21 @@ class FunctionalSGD:
                 later_p: List[Tensor] = []
                 later_g: List[Tensor] = []
                 later_b: List[Tensor] = []
+                # Locals, not attributes, in the per-parameter loop: each attribute read is
+                # an interpreter instruction per parameter.
+                params = self.params
+                state = self.state
+                has_momentum = self.momentum != 0.0
                 for k in range(len(idx)):
                     i = idx[k]
                     g = grads[k]
-                    p = self.params[i]
+                    p = params[i]
                     if g.is_sparse:
                         self._sparse_update(i, p, g, lr)
-                    elif self.momentum != 0.0 and i in self.state:
+                    elif has_momentum and i in state:
                         later_p.append(p)
                         later_g.append(g)
-                        later_b.append(self.state[i]["momentum_buffer"])
+                        later_b.append(state[i]["momentum_buffer"])
                     else:
                         first_p.append(p)
                         first_g.append(g)
