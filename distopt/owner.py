@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from distopt import exclusive
 from distopt.errors import RemoteFailure, returns_failure
 from functional import load_torch_state_dict, to_torch_state_dict
-from functional._state import group_keys
+from functional._state import group_keys, hyperparameter_values, settable_hyperparameters
 
 #: What the trainer sends for one local param group: (parameter RRefs, their global
 #: indices, the group's options as the user gave them, without "params").
@@ -292,7 +292,7 @@ class LocalOptimizer:
         """Apply hyper-parameter changes; the caller holds the locks."""
         for group, name, value in changes:
             if self.module is not None:
-                self.module.set_hyperparameter(group, name, as_floats(name, value))
+                self.module.set_hyperparameter(group, name, hyperparameter_values(name, value))
             else:
                 self.optim.param_groups[group][name] = value
 
@@ -375,25 +375,12 @@ class LocalOptimizer:
             "shapes": [[tuple(p.shape) for p in ps] for ps in self.group_params],
             "dtypes": [[p.dtype for p in ps] for ps in self.group_params],
             "hyper": hyper,
-            "settable": self._probe_settable(hyper[0]) if compiled else None,
+            "settable": (
+                settable_hyperparameters(_GroupView(self.module, 0), list(hyper[0]))
+                if compiled else None
+            ),
             "defaults": None if compiled else dict(self.optim.defaults),
         }
-
-    def _probe_settable(self, hyper: Dict[str, Any]) -> List[str]:
-        """The keys the compiled optimizer can change between steps.
-
-        Each candidate is set to the value it already has: accepted means settable, and
-        nothing changes either way.
-        """
-        settable = []
-        for key, value in hyper.items():
-            try:
-                floats = as_floats(key, value)
-                self.module.set_hyperparameter(0, key, floats)
-            except Exception:  # TorchScript raises its own error types for unknown names
-                continue
-            settable.append(key)
-        return settable
 
     def end_exclusive(self, refusal: str) -> None:
         """Refuse unlocked steps from now on, with ``refusal`` as the error's message."""
@@ -420,27 +407,6 @@ class LocalOptimizer:
         self.optim = None
         self.module = None
         self.staged = {}
-
-
-def as_floats(name: str, value: Any) -> List[float]:
-    """A hyper-parameter value as the list of floats ``set_hyperparameter`` takes.
-
-    Raises:
-        TypeError: for booleans, None, strings and other values no compiled optimizer can
-            change between steps.
-    """
-    if isinstance(value, Tensor):
-        return [float(x) for x in value.detach().reshape(-1).tolist()]
-    if isinstance(value, (tuple, list)):
-        # Adafactor's eps is (None, eps2): its setter takes the number alone.
-        return [float(_number(name, x)) for x in value if x is not None]
-    return [float(_number(name, value))]
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}: {value!r} (expected a number)")
-    return value
 
 
 def _closed_step(autograd_ctx_id: int) -> None:

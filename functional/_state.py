@@ -7,7 +7,7 @@ is a copy plus the hyper-parameters.
 """
 import copy
 import inspect
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -116,18 +116,21 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     obj = _instance(optim)
     group = state_dict["param_groups"][0]
     changes: Dict[str, List[float]] = {}
+    settable: Optional[List[str]] = None
     for key in group_keys(torch_cls):
         new, old = group[key], getattr(obj, key)
         if key == "lr" and isinstance(new, Tensor):
             new = float(new.item())
         if _same(new, old):
             continue
-        if not _settable(obj, key):
+        if settable is None:
+            settable = settable_hyperparameters(optim, group_keys(torch_cls))
+        if key not in settable:
             raise ValueError(
                 f"Invalid state_dict: {key}={new!r} differs from this optimizer's {old!r} "
                 f"and cannot change after construction"
             )
-        changes[key] = [float(x) for x in new] if isinstance(new, (tuple, list)) else [float(new)]
+        changes[key] = hyperparameter_values(key, new)
     state: Dict[int, Dict[str, Tensor]] = {}
     for i, entry in state_dict["state"].items():
         p = obj.params[int(i)]
@@ -163,11 +166,41 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _settable(obj: Any, key: str) -> bool:
-    try:
-        probe = copy.copy(obj)
-        value = getattr(obj, key)
-        probe.set_hyperparameter(key, [float(x) for x in value] if isinstance(value, tuple) else [float(value)])
-        return True
-    except (ValueError, TypeError, RuntimeError):
-        return False
+def hyperparameter_values(name: str, value: Any) -> List[float]:
+    """A hyper-parameter as the list of floats ``set_hyperparameter`` takes.
+
+    A Tensor (lr) gives its elements, a pair (betas) its two numbers; Adafactor's
+    ``eps=(None, eps2)`` gives the number alone, which its setter reads as ``(None, eps2)``.
+
+    Raises:
+        TypeError: for booleans, None, strings and other values no functional optimizer can
+            change between steps.
+    """
+    if isinstance(value, Tensor):
+        return [float(x) for x in value.detach().reshape(-1).tolist()]
+    if isinstance(value, (tuple, list)):
+        return [_number(name, x) for x in value if x is not None]
+    return [_number(name, value)]
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Invalid {name}: {value!r} (expected a number)")
+    return float(value)
+
+
+def settable_hyperparameters(optim: Any, keys: List[str]) -> List[str]:
+    """The ``keys`` that ``optim`` can change between steps.
+
+    Each key is set to the value it already has: accepted means settable, and nothing
+    changes either way.
+    """
+    obj = _instance(optim)
+    settable = []
+    for key in keys:
+        try:
+            optim.set_hyperparameter(key, hyperparameter_values(key, getattr(obj, key)))
+        except Exception:  # TorchScript raises its own error types for unknown names
+            continue
+        settable.append(key)
+    return settable
