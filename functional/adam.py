@@ -1,4 +1,9 @@
-"""Adam and AdamW (Adam with decoupled weight decay), as torch.optim.Adam and torch.optim.AdamW."""
+"""Adam and AdamW (Adam with decoupled weight decay), as torch.optim.Adam and torch.optim.AdamW.
+
+The math lives in the module-level functions, shared by both classes; what the two classes
+still repeat (constructor body, setters, the few lines of ``step``) is there because
+TorchScript classes cannot inherit.
+"""
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -55,7 +60,8 @@ def adam_lists(
     """The kernels' operands for one group: params, grads, exp_avgs, exp_avg_sqs,
     max_exp_avg_sqs (empty without amsgrad) and steps of the parameters with a gradient.
 
-    Every such parameter must already have its state.
+    A parameter's state is created (``adam_state``) the first time it has a gradient; one
+    pass over the group does both.
     """
     p_list: List[Tensor] = []
     g_list: List[Tensor] = []
@@ -70,6 +76,8 @@ def adam_lists(
                 raise RuntimeError(
                     "Adam does not support sparse gradients, please consider SparseAdam instead"
                 )
+            if i not in state:
+                state[i] = adam_state(params[i], amsgrad)
             entry = state[i]
             p_list.append(params[i])
             g_list.append(g)
@@ -284,9 +292,6 @@ class FunctionalAdam:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
             for group in self.groups:
-                for i in group:
-                    if gradients[i] is not None and i not in self.state:
-                        self._init_state(i)
                 lists = adam_lists(self.params, self.state, group, gradients, self.amsgrad)
                 self.live = lists
                 adam_update(
@@ -294,9 +299,6 @@ class FunctionalAdam:
                     self.amsgrad, self.maximize, self.decoupled_weight_decay, self.use_fused,
                 )
             self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = adam_state(self.params[i], self.amsgrad)
 
 
 class FunctionalAdamW:
@@ -422,9 +424,6 @@ class FunctionalAdamW:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
             for group in self.groups:
-                for i in group:
-                    if gradients[i] is not None and i not in self.state:
-                        self._init_state(i)
                 lists = adam_lists(self.params, self.state, group, gradients, self.amsgrad)
                 self.live = lists
                 adam_update(
@@ -432,6 +431,3 @@ class FunctionalAdamW:
                     self.amsgrad, self.maximize, True, self.use_fused,
                 )
             self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = adam_state(self.params[i], self.amsgrad)
