@@ -270,6 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             context_id, context = _live_context(context_id)
+            self._before_step(context_id)
             changes = pending_changes(
                 self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
             )
@@ -300,6 +301,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise compose_error("step", failures) from causes[0]
             for g, values in changes.items():
                 self._sent[g].update({k: snapshot(v) for k, v in values.items()})
+
+    def _before_step(self, context_id: int) -> None:
+        """What a subclass must do on the owners before each step, under the step's lock
+        (the live ``context_id`` is checked already). Nothing here."""
 
     def _switch_to_locked(self, owner_name: str) -> None:
         """Step the local optimizer on ``owner_name`` through its locks from now on.

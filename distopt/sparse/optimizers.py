@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 import torch
 import torch.distributed.rpc as rpc
 
-from distopt.errors import RemoteFailure, compose_error, transport_message
-from distopt.optimizer import DistributedOptimizer, check_context_id
+from distopt.fanout import fan_out
+from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
 from distopt.sparse.embedding import ShardedEmbedding
 
@@ -109,47 +109,15 @@ class _SparseOptimizer(DistributedOptimizer):
             for emb in embeddings:
                 emb.track_lookups = True
 
-    def step(self, context_id: int) -> None:  # type: ignore[override]
-        """Update, on every owner, the rows looked up in ``context_id``.
-
-        With ``duplicates="mean"`` every owner first averages its context gradients over
-        the lookups (one round of RPCs, in parallel), then the step runs as
-        :meth:`distopt.DistributedOptimizer.step`.
-
-        Raises:
-            TypeError: ``context_id`` is not an integer.
-            ValueError: no such live context on this worker (before any owner is contacted).
-            DistributedOptimizerError: some owners failed; names them.
-        """
-        if self.duplicates == "mean":
-            self._average_duplicates(check_context_id(context_id))
-        super().step(context_id)
-
-    def _average_duplicates(self, context_id: int) -> None:
-        futures = {}
-        for name, (info, shard_ids) in self._shards_by_owner.items():
-            try:
-                futures[name] = rpc.rpc_async(
-                    info, _owner.average_duplicates, args=(shard_ids, context_id)
-                )
-            except Exception as exc:  # reported with the others below
-                futures[name] = exc
-        failures: Dict[str, str] = {}
-        causes: List[BaseException] = []
-        for name, fut in futures.items():
-            try:
-                if isinstance(fut, BaseException):
-                    raise fut
-                result = fut.wait()
-            except Exception as exc:  # the owner died, timed out or could not be reached
-                failures[name] = transport_message(exc)
-                causes.append(exc)
-                continue
-            if isinstance(result, RemoteFailure):
-                failures[name] = result.message
-                causes.append(result.as_exception())
-        if failures:
-            raise compose_error("step", failures) from causes[0]
+    def _before_step(self, context_id: int) -> None:
+        """With ``duplicates="mean"``, have every owner average its context gradients over
+        the lookups (one parallel round of RPCs) before the step, under the step's lock."""
+        if self.duplicates != "mean":
+            return
+        fan_out("step", {
+            name: (info, _owner.average_duplicates, (shard_ids, context_id))
+            for name, (info, shard_ids) in self._shards_by_owner.items()
+        })
 
 
 class SparseSGD(_SparseOptimizer):
