@@ -14,7 +14,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from distopt.errors import transport_message
+from distopt.fanout import fan_out
 from distopt.sparse import _owner
 from distopt.sparse.partition import PARTITIONS, Partition, make_partition
 
@@ -169,22 +169,16 @@ class ShardedEmbedding(nn.Module):
         self.track_lookups = False
 
     def _create(self, calls: List[Tuple[Any, tuple]]) -> None:
-        """Create every shard at once, one rpc_async per owner; keep their RRefs and ids."""
-        futures = [
-            _call_async(info, func, args) for info, (func, args) in zip(self._infos, calls)
-        ]
-        results, failures = [], {}
-        for info, fut in zip(self._infos, futures):
-            try:
-                results.append(fut.wait())
-            except Exception as exc:  # the owner raised, died or timed out
-                failures[info.name] = transport_message(exc)
-        if failures:
-            del results  # the shards created elsewhere go with their RRefs
-            lines = "\n".join(f"  {name}: {message}" for name, message in failures.items())
-            raise RuntimeError(
-                f"ShardedEmbedding construction failed on {len(failures)} worker(s):\n{lines}"
-            )
+        """Create every shard at once, one rpc_async per owner; keep their RRefs and ids.
+
+        Raises:
+            DistributedOptimizerError: some owners failed; the shards created elsewhere go
+                with their RRefs.
+        """
+        done = fan_out("construction", {
+            info.name: (info, func, args) for info, (func, args) in zip(self._infos, calls)
+        })
+        results = [done[info.name] for info in self._infos]
         self._rrefs = [rref for rref, _ in results]
         self._ids = [shard_id for _, shard_id in results]
         logger.info(
@@ -272,10 +266,10 @@ class ShardedEmbedding(nn.Module):
 
     def full_weight(self) -> Tensor:
         """A copy of the whole table, gathered from every owner in parallel (tests, export)."""
-        futures = [
-            _call_async(info, _owner.shard_value, (i,)) for info, i in zip(self._infos, self._ids)
-        ]
-        shards = [fut.wait() for fut in futures]
+        done = fan_out("full_weight", {
+            info.name: (info, _owner.shard_value, (i,)) for info, i in zip(self._infos, self._ids)
+        })
+        shards = [done[info.name] for info in self._infos]
         table = torch.empty(self.num_embeddings, self.embedding_dim, dtype=shards[0].dtype)
         for k, shard in enumerate(shards):
             table.index_copy_(0, self._partition.global_rows(k), shard)
@@ -286,16 +280,6 @@ class ShardedEmbedding(nn.Module):
             f"{self.num_embeddings}, {self.embedding_dim}, owners={self.owners!r}, "
             f"partition={self.partition!r}"
         )
-
-
-def _call_async(info: rpc.WorkerInfo, func: Any, args: tuple) -> torch.futures.Future:
-    """``rpc_async``, an error raised at the call turned into a failed future."""
-    try:
-        return rpc.rpc_async(info, func, args=args)
-    except Exception as exc:
-        failed: torch.futures.Future = torch.futures.Future()
-        failed.set_exception(exc)
-        return failed
 
 
 def _resolve_owners(owners: Sequence[Owner]) -> List[rpc.WorkerInfo]:

@@ -123,7 +123,7 @@ def no_rpc(monkeypatch):
         raise AssertionError("an RPC was made")
 
     monkeypatch.setattr(embedding_module.rpc, "rpc_async", refuse)
-    monkeypatch.setattr(embedding_module, "_call_async", refuse)
+    monkeypatch.setattr(embedding_module, "fan_out", refuse)
 
 
 @pytest.fixture(scope="module")
