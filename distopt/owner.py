@@ -155,12 +155,8 @@ class _CompiledLocalOptimizer(torch.nn.Module):
         """Step every group with the gradients the context holds; others are skipped."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
         for j in range(len(self.optims)):
-            grads: List[Optional[Tensor]] = []
-            for p in self.params[j]:
-                if p in grads_by_param:
-                    grads.append(grads_by_param[p])
-                else:
-                    grads.append(None)
+            # One dict lookup per parameter (get), not two (in, then []).
+            grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in self.params[j]]
             self.optims[j].step(grads)
 
     @torch.jit.export
