@@ -210,6 +210,80 @@ def new_scalar_like(param: Tensor, value: float) -> Tensor:
     return torch.full((), value, dtype=torch.float32, device=param.device)
 
 
+def dense_layout(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive memory slots (in any order).
+
+    That is what the fused CPU kernels need: they walk ``numel`` elements from the data
+    pointer, so a tensor with gaps (a slice) or overlaps (stride 0) is stepped wrongly or
+    written outside its own elements.
+    """
+    if t.is_contiguous():
+        return True
+    sizes = t.size()
+    strides = t.stride()
+    dims: List[int] = []
+    for d in range(len(sizes)):
+        if sizes[d] != 1:
+            # Insertion by stride: a handful of dimensions at most.
+            k = len(dims)
+            while k > 0 and strides[dims[k - 1]] > strides[d]:
+                k -= 1
+            dims.insert(k, d)
+    expected = 1
+    for d in dims:
+        if strides[d] != expected:
+            return False
+        expected *= sizes[d]
+    return True
+
+
+def fit_fused_layouts(params: List[Tensor], grads: List[Tensor]) -> List[List[Tensor]]:
+    """Make the fused kernels' operands exact for every memory layout; in place.
+
+    A fused CPU kernel treats a parameter, its gradient and its state as ``numel`` elements
+    from each data pointer, element k of one matching element k of the others. That holds
+    when the parameter's layout is dense and the gradient's strides equal it; state is kept
+    in ``torch.empty_like(param)``'s layout (``memory_format=torch.preserve_format``), which
+    is the parameter's own when dense. Otherwise:
+
+    - a non-dense parameter (a slice, gaps, stride 0) is replaced in ``params`` by a dense
+      copy laid out as its state, to be copied back by ``copy_back`` after the kernel;
+    - a gradient laid out differently is replaced in ``grads`` by a copy in the parameter's
+      layout (gradients read from a dist_autograd context carry no layout promise).
+
+    The common case (parameter and gradient contiguous) costs two flag reads per tensor.
+
+    Returns:
+        ``[originals, copies]`` of the replaced parameters, for ``copy_back``.
+    """
+    originals: List[Tensor] = []
+    copies: List[Tensor] = []
+    for k in range(len(params)):
+        p = params[k]
+        g = grads[k]
+        if not (p.is_contiguous() and g.is_contiguous()):
+            if not dense_layout(p):
+                work = torch.empty_like(p)
+                work.copy_(p)
+                originals.append(p)
+                copies.append(work)
+                params[k] = work
+                p = work
+            if g.stride() != p.stride():
+                fitted = torch.empty_like(p)
+                fitted.copy_(g)
+                grads[k] = fitted
+    return [originals, copies]
+
+
+def copy_back(staged: List[List[Tensor]]) -> None:
+    """Write the dense copies made by ``fit_fused_layouts`` back into their parameters."""
+    originals = staged[0]
+    copies = staged[1]
+    for k in range(len(originals)):
+        originals[k].copy_(copies[k])
+
+
 def increment_steps(steps: List[Tensor]) -> None:
     """Add 1 to every ``step`` tensor.
 
@@ -218,3 +292,120 @@ def increment_steps(steps: List[Tensor]) -> None:
     more than a fused Adam step over the same parameters).
     """
     torch._foreach_add_(steps, torch.ones((), dtype=torch.float32), alpha=1.0)
+
+
+def meta_like(p: Tensor) -> Tensor:
+    """A tensor with ``p``'s shape, strides and dtype on the meta device (no memory).
+
+    Each class makes its state templates by running its own state helper on it, at no cost:
+    the template has the keys, shapes, dtypes and layouts a fresh state would have.
+    """
+    return torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=torch.device("meta"))
+
+
+def state_indices(params: List[Tensor], state: Dict[int, Dict[str, Tensor]]) -> List[int]:
+    """The parameter indices ``state`` has entries for; ValueError for one out of range."""
+    indices: List[int] = []
+    for i in state.keys():
+        if i < 0 or i >= len(params):
+            raise ValueError(
+                f"Invalid state: an entry for parameter {i} (expected indices 0..{len(params) - 1}"
+                f" for {len(params)} parameters)"
+            )
+        indices.append(i)
+    return indices
+
+
+def checked_state(
+    params: List[Tensor],
+    state: Dict[int, Dict[str, Tensor]],
+    templates: Dict[int, Dict[str, Tensor]],
+) -> Dict[int, Dict[str, Tensor]]:
+    """``state`` checked against fresh-state ``templates``; the state to keep.
+
+    Every key of a parameter's template must be there with the template's shape and dtype,
+    on the parameter's device (or the template's, for ``step`` on the CPU); a key the
+    template lacks must be 0-dim or shaped like the parameter (state of an option switched
+    off, such as RMSprop's ``momentum_buffer``). Nothing is kept unless everything passes,
+    so a bad state leaves the optimizer as it was, and the kernels never see a buffer of the
+    wrong size. Tensors laid out unlike the template (a contiguous ``exp_avg`` for a
+    transposed parameter) are copied into the template's layout, which the fused kernels
+    need; an empty entry is dropped (no state yet).
+
+    Raises:
+        ValueError: naming the parameter, the key and both values.
+    """
+    for i, template in templates.items():
+        entry = state[i]
+        p = params[i]
+        if len(entry) == 0:
+            continue
+        for key in template.keys():
+            if key not in entry:
+                raise ValueError(
+                    f"Invalid state[{i}]: no '{key}' (expected keys {sorted(template.keys())}, "
+                    f"got {sorted(entry.keys())})"
+                )
+        for key, value in entry.items():
+            if key in template:
+                _check_state_tensor(i, key, value, template[key], p)
+            elif value.dim() != 0:
+                _check_state_tensor(i, key, value, meta_like(p), p)
+    kept: Dict[int, Dict[str, Tensor]] = {}
+    for i, template in templates.items():
+        entry = state[i]
+        if len(entry) == 0:
+            continue
+        layout = torch.empty_like(meta_like(params[i]))
+        new_entry: Dict[str, Tensor] = {}
+        for key, value in entry.items():
+            expected = layout
+            if key in template:
+                expected = template[key]
+            if not value.is_sparse and value.dim() > 0 and value.stride() != expected.stride():
+                fitted = torch.empty_strided(
+                    expected.size(), expected.stride(), dtype=value.dtype, device=value.device
+                )
+                fitted.copy_(value)
+                value = fitted
+            new_entry[key] = value
+        kept[i] = new_entry
+    return kept
+
+
+def _check_state_tensor(i: int, key: str, value: Tensor, expected: Tensor, param: Tensor) -> None:
+    """One state tensor against its template: shape, dtype and device (the parameter's, where
+    the template is on the meta device). A 0-dim entry (``step``, ``mu_product``) may be any
+    floating dtype on the CPU or the parameter's device, as torch.optim's load_state_dict
+    leaves it; a sparse entry is SGD's momentum for sparse gradients, as torch.optim keeps it.
+    """
+    if value.shape != expected.shape:
+        raise ValueError(
+            f"Invalid state[{i}]['{key}']: shape {value.shape} (expected {expected.shape} for "
+            f"params[{i}] of shape {param.shape})"
+        )
+    if expected.dim() == 0:
+        if not value.is_floating_point():
+            raise ValueError(
+                f"Invalid state[{i}]['{key}']: dtype {dtype_name(value.dtype)} (expected a "
+                f"floating-point dtype)"
+            )
+        if value.device != param.device and value.device.type != "cpu":
+            raise ValueError(
+                f"Invalid state[{i}]['{key}']: device {value.device} (expected cpu or "
+                f"{param.device}, the device of params[{i}])"
+            )
+        return
+    if value.dtype != expected.dtype:
+        raise ValueError(
+            f"Invalid state[{i}]['{key}']: dtype {dtype_name(value.dtype)} (expected "
+            f"{dtype_name(expected.dtype)} for params[{i}] of dtype {dtype_name(param.dtype)})"
+        )
+    device = expected.device
+    if device.type == "meta":
+        device = param.device
+    if value.device != device:
+        raise ValueError(
+            f"Invalid state[{i}]['{key}']: device {value.device} (expected {device}, the device "
+            f"of params[{i}])"
+        )

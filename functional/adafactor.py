@@ -13,6 +13,9 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
     increment_steps,
     check_gradients,
     group_by_device_dtype,
@@ -146,8 +149,15 @@ class FunctionalAdafactor:
             )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -188,7 +198,7 @@ class FunctionalAdafactor:
                         if g.is_sparse:
                             raise RuntimeError("Adafactor does not support sparse gradients")
                         if i not in self.state:
-                            self._init_state(i, g)
+                            self._init_state(i)
                         entry = self.state[i]
                         if g.dim() > 1:
                             mat_p.append(p)
@@ -206,19 +216,24 @@ class FunctionalAdafactor:
                 self._update(vec_p, vec_g, vec_v, vec_v, vec_s, lr, eps1, False)
             self.live = no_lists()
 
-    def _init_state(self, i: int, grad: Tensor) -> None:
-        if grad.dim() > 1:
-            row_shape = list(grad.shape)
+    def _init_state(self, i: int) -> None:
+        self.state[i] = self._new_state(self.params[i])
+
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (also the template ``set_state`` checks against):
+        factored row and column variances for matrices, a full one otherwise."""
+        if p.dim() > 1:
+            row_shape = list(p.shape)
             row_shape[-1] = 1
-            col_shape = list(grad.shape)
+            col_shape = list(p.shape)
             col_shape[-2] = 1
-            self.state[i] = {
+            return {
                 "step": new_step(),
-                "row_var": grad.new_zeros(row_shape),
-                "col_var": grad.new_zeros(col_shape),
+                "row_var": p.new_zeros(row_shape),
+                "col_var": p.new_zeros(col_shape),
             }
-        else:
-            self.state[i] = {"step": new_step(), "variance": torch.zeros_like(grad)}
+        variance = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return {"step": new_step(), "variance": variance}
 
     def _epsilon1(self, gradients: List[Optional[Tensor]]) -> float:
         # torch.optim resolves eps1=None once per step, from the first parameter it updates.

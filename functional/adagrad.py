@@ -13,6 +13,11 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
+    copy_back,
+    fit_fused_layouts,
     increment_steps,
     check_gradients,
     new_step,
@@ -131,8 +136,15 @@ class FunctionalAdagrad:
             )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -178,8 +190,11 @@ class FunctionalAdagrad:
             self.live = no_lists()
 
     def _init_state(self, i: int) -> None:
-        p = self.params[i]
-        self.state[i] = {
+        self.state[i] = self._new_state(self.params[i])
+
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
+        return {
             "step": new_step(),
             "sum": torch.full_like(p, self.initial_accumulator_value),
         }
@@ -194,6 +209,7 @@ class FunctionalAdagrad:
     ) -> None:
         if len(params) == 0:
             return
+        staged = fit_fused_layouts(params, grads)
         # The kernel reads the already-incremented step, as in torch.optim's fused path.
         increment_steps(steps)
         torch._fused_adagrad_(
@@ -207,6 +223,7 @@ class FunctionalAdagrad:
             eps=self.eps,
             maximize=self.maximize,
         )
+        copy_back(staged)
 
     def _foreach_update(
         self,

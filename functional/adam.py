@@ -21,6 +21,11 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
+    copy_back,
+    fit_fused_layouts,
     increment_steps,
     check_gradients,
     group_by_device_dtype,
@@ -108,6 +113,7 @@ def adam_update(
     if len(params) == 0:
         return
     if fused:
+        staged = fit_fused_layouts(params, grads)
         # The fused kernels read the already incremented step, as torch.optim arranges.
         increment_steps(steps)
         if decoupled_weight_decay:
@@ -122,6 +128,7 @@ def adam_update(
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                 amsgrad=amsgrad, maximize=maximize,
             )
+        copy_back(staged)
         return
     if maximize:
         grads = torch._foreach_neg(grads)
@@ -270,8 +277,15 @@ class FunctionalAdam:
             self.weight_decay = new[0]
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = adam_state(meta_like(self.params[i]), self.amsgrad)
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -402,8 +416,15 @@ class FunctionalAdamW:
             self.weight_decay = new[0]
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = adam_state(meta_like(self.params[i]), self.amsgrad)
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""

@@ -16,6 +16,9 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -168,8 +171,15 @@ class FunctionalMuon:
             )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -197,11 +207,16 @@ class FunctionalMuon:
                         if g.is_sparse:
                             raise RuntimeError("Muon does not support sparse gradients")
                         if i not in self.state:
-                            self._init_state(i, g)
+                            self._init_state(i)
                         self._update(i, g)
 
-    def _init_state(self, i: int, grad: Tensor) -> None:
-        self.state[i] = {"momentum_buffer": torch.zeros_like(grad)}
+    def _init_state(self, i: int) -> None:
+        self.state[i] = self._new_state(self.params[i])
+
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (also the template ``set_state`` checks against),
+        laid out as the parameter (torch.optim's state layout), whatever the gradient's."""
+        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     def _update(self, i: int, grad: Tensor) -> None:
         param = self.params[i]

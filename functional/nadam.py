@@ -7,6 +7,9 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
     increment_steps,
     check_gradients,
     group_by_device_dtype,
@@ -132,8 +135,15 @@ class FunctionalNAdam:
             )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -179,12 +189,15 @@ class FunctionalNAdam:
             self.live = no_lists()
 
     def _init_state(self, i: int) -> None:
-        p = self.params[i]
+        self.state[i] = self._new_state(self.params[i])
+
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
         # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
         # inlined, so exp_avg_sq is made from exp_avg.
         exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
         exp_avg_sq = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
-        self.state[i] = {
+        return {
             "step": new_step(),
             "mu_product": new_scalar_like(p, 1.0),
             "exp_avg": exp_avg,

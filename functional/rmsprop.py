@@ -7,6 +7,9 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
     increment_steps,
     check_gradients,
     new_step,
@@ -127,8 +130,15 @@ class FunctionalRMSprop:
             )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -179,12 +189,17 @@ class FunctionalRMSprop:
         # on its first gradient), so that momentum or centering switched on later works.
         p = self.params[i]
         if i not in self.state:
-            self.state[i] = {"step": new_step(), "square_avg": fresh_zeros_like(p)}
+            self.state[i] = self._new_state(p)
         state = self.state[i]
         if self.momentum > 0.0 and "momentum_buffer" not in state:
             state["momentum_buffer"] = fresh_zeros_like(p)
         if self.centered and "grad_avg" not in state:
             state["grad_avg"] = fresh_zeros_like(p)
+
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """The state every parameter has (also the template ``set_state`` checks against);
+        ``_init_state`` adds the momentum buffer and gradient average as the options ask."""
+        return {"step": new_step(), "square_avg": fresh_zeros_like(p)}
 
     def _foreach_update(
         self,

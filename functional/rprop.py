@@ -7,6 +7,9 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_etas, check_lr, check_params
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
     increment_steps,
     check_gradients,
     new_step,
@@ -108,8 +111,15 @@ class FunctionalRprop:
             raise ValueError(unknown_hyperparameter("Rprop", name, ["lr", "etas", "step_sizes"]))
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]), self.lr)
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -153,8 +163,11 @@ class FunctionalRprop:
             self.live = no_lists()
 
     def _init_state(self, i: int, lr: float) -> None:
-        p = self.params[i]
-        self.state[i] = {
+        self.state[i] = self._new_state(self.params[i], lr)
+
+    def _new_state(self, p: Tensor, lr: float) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
+        return {
             "step": new_step(),
             "prev": fresh_zeros_like(p),
             "step_size": torch.full_like(p, lr),

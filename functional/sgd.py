@@ -13,6 +13,11 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
+    copy_back,
+    fit_fused_layouts,
     gather,
     group_by_device_dtype,
     index_of,
@@ -120,8 +125,15 @@ class FunctionalSGD:
             )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -143,8 +155,12 @@ class FunctionalSGD:
             for idx, grads in batches:
                 # Split by whether a momentum buffer exists yet: the kernels treat a
                 # parameter's first momentum step differently (the buffer starts as g).
+                # New buffers are laid out as their parameter (torch.optim's state layout)
+                # and enter the state once the kernel has filled them.
+                first_i: List[int] = []
                 first_p: List[Tensor] = []
                 first_g: List[Tensor] = []
+                first_b: List[Tensor] = []
                 later_p: List[Tensor] = []
                 later_g: List[Tensor] = []
                 later_b: List[Tensor] = []
@@ -166,26 +182,33 @@ class FunctionalSGD:
                     else:
                         first_p.append(p)
                         first_g.append(g)
-                self.live = [first_p, later_p, later_b]
+                        if has_momentum:
+                            first_i.append(i)
+                            first_b.append(self._new_state(p)["momentum_buffer"])
+                self.live = [first_p, first_b, later_p, later_b]
                 if self.use_fused:
-                    self._fused_update(first_p, first_g, [], lr, True)
+                    self._fused_update(first_p, first_g, first_b, lr, True)
                     self._fused_update(later_p, later_g, later_b, lr, False)
                 else:
-                    self._foreach_update(first_p, first_g, [], lr, True)
+                    self._foreach_update(first_p, first_g, first_b, lr, True)
                     self._foreach_update(later_p, later_g, later_b, lr, False)
+                for j in range(len(first_i)):
+                    state[first_i[j]] = {"momentum_buffer": first_b[j]}
             self.live = no_lists()
 
-    def _record_buffers(self, params: List[Tensor], bufs: List[Tensor]) -> None:
-        for j in range(len(params)):
-            self.state[index_of(self.params, params[j])] = {"momentum_buffer": bufs[j]}
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (the template ``set_state`` checks against): a
+        momentum buffer laid out as ``p``, none without momentum."""
+        if self.momentum != 0.0:
+            return {"momentum_buffer": torch.empty_like(p)}
+        return torch.jit.annotate(Dict[str, Tensor], {})
 
     def _fused_update(
         self, params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, first: bool
     ) -> None:
         if len(params) == 0:
             return
-        if self.momentum != 0.0 and first:
-            bufs = [torch.empty_like(g) for g in grads]
+        staged = fit_fused_layouts(params, grads)
         torch._fused_sgd_(
             params,
             grads,
@@ -198,8 +221,7 @@ class FunctionalSGD:
             maximize=self.maximize,
             is_first_step=first,
         )
-        if self.momentum != 0.0 and first:
-            self._record_buffers(params, bufs)
+        copy_back(staged)
 
     def _foreach_update(
         self, params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, first: bool
@@ -212,8 +234,7 @@ class FunctionalSGD:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         if self.momentum != 0.0:
             if first:
-                bufs = [g.clone().detach() for g in grads]
-                self._record_buffers(params, bufs)
+                torch._foreach_copy_(bufs, grads)
             else:
                 torch._foreach_mul_(bufs, self.momentum)
                 torch._foreach_add_(bufs, grads, alpha=1.0 - self.dampening)

@@ -14,6 +14,9 @@ from functional._validation import (
     check_params,
 )
 from functional._common import (
+    checked_state,
+    meta_like,
+    state_indices,
     check_gradients,
     group_by_device_dtype,
     index_of,
@@ -104,8 +107,15 @@ class FunctionalSparseAdam:
             raise ValueError(unknown_hyperparameter("SparseAdam", name, ["lr", "betas", "eps"]))
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict)."""
-        self.state = state
+        """Replace the whole state (used when loading a torch.optim state_dict).
+
+        Checked first against fresh-state templates (``checked_state``): a missing key or a
+        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        """
+        templates: Dict[int, Dict[str, Tensor]] = {}
+        for i in state_indices(self.params, state):
+            templates[i] = self._new_state(meta_like(self.params[i]))
+        self.state = checked_state(self.params, state, templates)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
@@ -141,8 +151,11 @@ class FunctionalSparseAdam:
                         self._sparse_update(i, g, lr)
 
     def _init_state(self, i: int) -> None:
-        p = self.params[i]
-        self.state[i] = {
+        self.state[i] = self._new_state(self.params[i])
+
+    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
+        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
+        return {
             "step": new_step(),
             "exp_avg": torch.zeros_like(p),
             "exp_avg_sq": torch.zeros_like(p),
