@@ -39,7 +39,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from distopt import state
-from distopt.errors import DistributedOptimizerError, returns_failure
+from distopt.errors import returns_failure
 from distopt.fanout import fan_out
 
 if TYPE_CHECKING:
@@ -180,32 +180,8 @@ def load(opt: "DistributedOptimizer", path: str) -> None:
             part.info, stage_shards,
             (part.rref, path, files, manifest["generation"], wanted, token),
         )
-    try:
-        fan_out("load", stage_calls)
-    except DistributedOptimizerError:
-        _discard(opt, token)
-        raise
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    fan_out(
-        "load",
-        {
-            part.name: (
-                part.info, commit_staged, (part.rref, token, [hyper[g] for g in part.groups])
-            )
-            for part in opt.owners
-        },
-    )
-    state.adopt_groups(opt, hyper)
-
-
-def _discard(opt: "DistributedOptimizer", token: str) -> None:
-    try:
-        fan_out(
-            "load",
-            {part.name: (part.info, discard_staged, (part.rref, token)) for part in opt.owners},
-        )
-    except DistributedOptimizerError as exc:
-        logger.warning("could not discard a staged checkpoint: %s", exc)
+    state.stage_and_commit(opt, "load", stage_calls, token, hyper)
 
 
 def _class_name(cls: type) -> str:
@@ -402,19 +378,5 @@ def stage_shards(
             staged[i] = entry if local.module is not None else {
                 k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()
             }
+    local.check_torch_state(staged)
     local.staged[token] = staged
-
-
-@returns_failure
-def commit_staged(optimizer_rref: rpc.RRef, token: str, hyper: List[Dict[str, Any]]) -> None:
-    """RPC target: replace the local state with the staged part, under the locks."""
-    local = optimizer_rref.local_value()
-    staged = local.staged.pop(token)
-    with local.locked():
-        local.load_torch_state(hyper, staged)
-
-
-@returns_failure
-def discard_staged(optimizer_rref: rpc.RRef, token: str) -> None:
-    """RPC target: forget a staged part (another owner failed to stage its own)."""
-    optimizer_rref.local_value().staged.pop(token, None)

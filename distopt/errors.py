@@ -28,11 +28,25 @@ class DistributedOptimizerError(RuntimeError):
         return (type(self), (str(self), self.failures))
 
 
+class InvalidStateError(DistributedOptimizerError, ValueError):
+    """Owners refused a state (``load_state_dict``, ``load``): a key missing, or a tensor of
+    another shape, dtype or device. A ValueError, as for a bad state checked on the trainer,
+    and a DistributedOptimizerError naming every refusing worker; nothing was changed."""
+
+
 def compose_error(action: str, failures: Dict[str, str]) -> DistributedOptimizerError:
-    """The error for ``failures`` (worker name -> message), e.g. action ``"step"``."""
+    """The error for ``failures`` (worker name -> message), e.g. action ``"step"``.
+
+    An InvalidStateError when every worker refused its input with a ValueError in a round
+    that loads state.
+    """
     lines = [f"DistributedOptimizer {action} failed on {len(failures)} worker(s):"]
     lines.extend(f"  {worker}: {message}" for worker, message in failures.items())
-    return DistributedOptimizerError("\n".join(lines), failures)
+    refused = action in ("load", "load_state_dict") and all(
+        m.startswith("ValueError") for m in failures.values()
+    )
+    cls = InvalidStateError if refused else DistributedOptimizerError
+    return cls("\n".join(lines), failures)
 
 
 def one_line(exc: BaseException) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import re
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -35,7 +36,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from distopt import exclusive
 from distopt.errors import RemoteFailure, returns_failure
 from functional import load_torch_state_dict, to_torch_state_dict
-from functional._state import group_keys, hyperparameter_values, settable_hyperparameters
+from functional._state import (
+    checked_state,
+    functional_state,
+    group_keys,
+    hyperparameter_values,
+    settable_hyperparameters,
+)
 
 #: What the trainer sends for one local param group: (parameter RRefs, their global
 #: indices, the group's options as the user gave them, without "params").
@@ -170,6 +177,16 @@ class _CompiledLocalOptimizer(torch.nn.Module):
         return self.optims[group].state
 
     @torch.jit.export
+    def check_state(
+        self, group: int, state: Dict[int, Dict[str, Tensor]]
+    ) -> Dict[int, Dict[str, Tensor]]:
+        """One group's state checked as ``set_state`` would check it, changing nothing."""
+        optim = self.optims[group]
+        if hasattr(optim, "check_state"):
+            return optim.check_state(state)
+        return state
+
+    @torch.jit.export
     def set_state(self, group: int, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace one group's whole state."""
         self.optims[group].set_state(state)
@@ -194,6 +211,9 @@ class _GroupView:
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         self._module.set_hyperparameter(self._group, name, value)
+
+    def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
+        return self._module.check_state(self._group, state)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         self._module.set_state(self._group, state)
@@ -359,6 +379,26 @@ class LocalOptimizer:
             }
             load_torch_state_dict(_GroupView(self.module, j), self.optimizer_class, part)
 
+    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """Check ``state`` (global index -> torch.optim entry) as loading it would; change nothing.
+
+        A compiled group's part goes through its functional optimizer's ``check_state``
+        (every key, shape, dtype and device); messages name parameters by global index. An
+        eager torch.optim optimizer checks nothing more than the trainer did (shapes).
+
+        Raises:
+            ValueError: naming the parameter, the key and both values.
+        """
+        if self.module is None:
+            return
+        for j, indices in enumerate(self.global_indices):
+            view = _GroupView(self.module, j)
+            part = {k: state[i] for k, i in enumerate(indices) if i in state}
+            try:
+                checked_state(view, functional_state(view, part))
+            except ValueError as exc:
+                raise ValueError(_global_indices(str(exc), indices)) from None
+
     def describe(self) -> Dict[str, Any]:
         """What the trainer keeps about this optimizer: shapes, dtypes, hyper-parameters.
 
@@ -403,6 +443,15 @@ class LocalOptimizer:
         self.optim = None
         self.module = None
         self.staged = {}
+
+
+def _global_indices(message: str, indices: List[int]) -> str:
+    """``message`` with a group's local ``state[k]`` / ``params[k]`` named by global index."""
+    return re.sub(
+        r"\b(state|params)\[(\d+)\]",
+        lambda m: f"{m.group(1)}[{indices[int(m.group(2))]}]",
+        message,
+    )
 
 
 def _closed_step(autograd_ctx_id: int) -> None:

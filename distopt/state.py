@@ -3,18 +3,20 @@
 The trainer holds no optimizer state. ``gather_state_dict`` asks every owner, in parallel,
 for its parameters' state (already keyed by the trainer's global parameter indices) and
 adds the trainer's ``param_groups``. ``load_state_dict`` checks everything against what
-the trainer learnt at construction (group keys, parameter counts, shapes) before any owner
-changes, then sends each owner only its part.
+the trainer learnt at construction (group keys, parameter counts, shapes), then has every
+owner check its part against its optimizer (keys, shapes, dtypes, devices: ``stage``) before
+any owner changes (``commit``); ``distopt.checkpoint.load`` uses the same two rounds.
 """
 import itertools
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from distopt.errors import returns_failure
+from distopt.errors import DistributedOptimizerError, returns_failure
 from distopt.fanout import fan_out
 from distopt.param_groups import same, snapshot
 
@@ -173,21 +175,56 @@ def load_state_dict(opt: "DistributedOptimizer", state_dict: Dict[str, Any]) -> 
         )
         by_index[i] = entry
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    send_parts(opt, hyper, by_index)
+    token = uuid.uuid4().hex
+    stage_calls = {}
+    for part in opt.owners:
+        mine = {i: by_index[i] for indices in part.indices for i in indices if i in by_index}
+        stage_calls[part.name] = (part.info, stage_local_state, (part.rref, mine, token))
+    stage_and_commit(opt, "load_state_dict", stage_calls, token, hyper)
+
+
+def stage_and_commit(
+    opt: "DistributedOptimizer",
+    action: str,
+    stage_calls: Dict[str, Any],
+    token: str,
+    hyper: List[Dict[str, Any]],
+) -> None:
+    """Load state in two rounds, so that a refusal anywhere changes nothing anywhere.
+
+    First every owner reads and checks its part (``stage_calls``, each keeping what it
+    checked under ``token``); only when all have succeeded does every owner replace its
+    state and hyper-parameters with it, and the trainer adopt ``hyper``.
+
+    Raises:
+        InvalidStateError: owners refused their part (a ValueError naming each of them).
+        DistributedOptimizerError: owners failed otherwise; nothing was changed.
+    """
+    try:
+        fan_out(action, stage_calls)
+    except DistributedOptimizerError:
+        _discard(opt, action, token)
+        raise
+    fan_out(
+        action,
+        {
+            part.name: (
+                part.info, commit_staged, (part.rref, token, [hyper[g] for g in part.groups])
+            )
+            for part in opt.owners
+        },
+    )
     adopt_groups(opt, hyper)
 
 
-def send_parts(
-    opt: "DistributedOptimizer", hyper: List[Dict[str, Any]], by_index: Dict[int, Dict[str, Any]]
-) -> None:
-    """Give every owner its parameters' state and its groups' hyper-parameters, in parallel."""
-    calls = {}
-    for part in opt.owners:
-        mine = {i: by_index[i] for indices in part.indices for i in indices if i in by_index}
-        calls[part.name] = (
-            part.info, load_local_state, (part.rref, [hyper[g] for g in part.groups], mine)
+def _discard(opt: "DistributedOptimizer", action: str, token: str) -> None:
+    try:
+        fan_out(
+            action,
+            {part.name: (part.info, discard_staged, (part.rref, token)) for part in opt.owners},
         )
-    fan_out("load_state_dict", calls)
+    except DistributedOptimizerError as exc:
+        logger.warning("could not discard a staged state: %s", exc)
 
 
 def adopt_groups(opt: "DistributedOptimizer", hyper: List[Dict[str, Any]]) -> None:
@@ -212,10 +249,25 @@ def local_state(optimizer_rref: rpc.RRef) -> Dict[int, Dict[str, Any]]:
 
 
 @returns_failure
-def load_local_state(
-    optimizer_rref: rpc.RRef, hyper: List[Dict[str, Any]], entries: Dict[int, Dict[str, Any]]
+def stage_local_state(
+    optimizer_rref: rpc.RRef, entries: Dict[int, Dict[str, Any]], token: str
 ) -> None:
-    """RPC target: replace the local optimizer's state and hyper-parameters, under its locks."""
+    """RPC target: check the local optimizer's part of a state_dict; change nothing yet."""
     local = optimizer_rref.local_value()
+    local.check_torch_state(entries)
+    local.staged[token] = entries
+
+
+@returns_failure
+def commit_staged(optimizer_rref: rpc.RRef, token: str, hyper: List[Dict[str, Any]]) -> None:
+    """RPC target: replace the local state with the staged part, under the locks."""
+    local = optimizer_rref.local_value()
+    staged = local.staged.pop(token)
     with local.locked():
-        local.load_torch_state(hyper, entries)
+        local.load_torch_state(hyper, staged)
+
+
+@returns_failure
+def discard_staged(optimizer_rref: rpc.RRef, token: str) -> None:
+    """RPC target: forget a staged part (another owner refused its own)."""
+    optimizer_rref.local_value().staged.pop(token, None)

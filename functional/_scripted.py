@@ -41,8 +41,16 @@ class ScriptedOptimizer(torch.nn.Module):
 
     @torch.jit.export
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the optimizer's whole state."""
+        """Replace the optimizer's whole state, checked first (a bad one changes nothing)."""
         self.optim.set_state(state)
+
+    @torch.jit.export
+    def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
+        """Check a state as ``set_state`` would, changing nothing (a registered class without
+        ``check_state`` is not checked: the state comes back as given)."""
+        if hasattr(self.optim, "check_state"):
+            return self.optim.check_state(state)
+        return state
 
     @torch.jit.export
     def get_state(self) -> Dict[int, Dict[str, Tensor]]:

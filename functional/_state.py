@@ -105,12 +105,14 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
 def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any]) -> None:
     """Load a torch.optim-format state_dict into ``optim`` (eager or scripted).
 
-    Everything is checked before anything changes. Hyper-parameters that can change between
+    Everything is checked before anything changes, the state by the optimizer's own
+    ``check_state`` (keys, shapes, dtypes, devices). Hyper-parameters that can change between
     steps (lr, betas, ...) are taken from the state_dict; the others must already agree.
 
     Raises:
         ValueError: the state_dict is for another class, another parameter count or shapes,
-            or would change a hyper-parameter fixed at construction.
+            would change a hyper-parameter fixed at construction, or holds a state entry that
+            lacks a key or has a tensor of another shape, dtype or device.
     """
     check_torch_state_dict(optim, torch_cls, state_dict)
     obj = _instance(optim)
@@ -131,8 +133,18 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
                 f"and cannot change after construction"
             )
         changes[key] = hyperparameter_values(key, new)
+    state = checked_state(optim, functional_state(obj, state_dict["state"]))
+    for key, value in changes.items():
+        optim.set_hyperparameter(key, value)
+    optim.set_state(state)
+
+
+def functional_state(obj: Any, torch_state: Dict[Any, Dict[str, Any]]) -> Dict[int, Dict[str, Tensor]]:
+    """torch.optim state entries as a functional optimizer keeps them: copies, ``step`` as a
+    float32 tensor, other floating-point tensors cast to their parameter's dtype and device
+    (torch.optim's load_state_dict casts the same way)."""
     state: Dict[int, Dict[str, Tensor]] = {}
-    for i, entry in state_dict["state"].items():
+    for i, entry in torch_state.items():
         p = obj.params[int(i)]
         entry = {k: _from_torch_value(k, v) for k, v in entry.items()}
         state[int(i)] = {
@@ -141,9 +153,32 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
                 v.detach().clone())
             for k, v in entry.items()
         }
-    for key, value in changes.items():
-        optim.set_hyperparameter(key, value)
-    optim.set_state(state)
+    return state
+
+
+def checked_state(optim: Any, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
+    """``optim.check_state(state)`` (nothing changes), with a compiled optimizer's error
+    raised as the ValueError it is; a registered class without ``check_state`` is not checked.
+
+    Raises:
+        ValueError: naming the parameter, the key and both values.
+    """
+    check = getattr(optim, "check_state", None)
+    if check is None:
+        return state
+    try:
+        return check(state)
+    except torch.jit.Error as exc:
+        raise ValueError(script_error_message(exc)) from None
+
+
+def script_error_message(exc: BaseException) -> str:
+    """The ``message`` of TorchScript's ``builtins.Type: message``, the last line of its error."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    last = lines[-1] if lines else str(exc)
+    if last.startswith("builtins."):
+        last = last.split(": ", 1)[-1]
+    return last
 
 
 def _to_torch_value(torch_cls: type, key: str, value: Tensor, clone: bool = True) -> Any:

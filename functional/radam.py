@@ -128,16 +128,21 @@ class FunctionalRAdam:
                 unknown_hyperparameter("RAdam", name, ["lr", "betas", "eps", "weight_decay"])
             )
 
-    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state (used when loading a torch.optim state_dict).
+    def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
+        """``state`` checked against fresh-state templates (``checked_state``), changing
+        nothing; returns it as ``set_state`` keeps it (laid out as the parameters).
 
-        Checked first against fresh-state templates (``checked_state``): a missing key or a
-        tensor of the wrong shape, dtype or device raises ValueError and changes nothing.
+        Raises:
+            ValueError: a missing key, or a tensor of the wrong shape, dtype or device.
         """
         templates: Dict[int, Dict[str, Tensor]] = {}
         for i in state_indices(self.params, state):
             templates[i] = self._new_state(meta_like(self.params[i]))
-        self.state = checked_state(self.params, state, templates)
+        return checked_state(self.params, state, templates)
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
+        self.state = self.check_state(state)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
