@@ -384,12 +384,15 @@ class LocalOptimizer:
 
         A compiled group's part goes through its functional optimizer's ``check_state``
         (every key, shape, dtype and device); messages name parameters by global index. An
-        eager torch.optim optimizer checks nothing more than the trainer did (shapes).
+        eager optimizer has no template: an entry must have the keys, shapes and dtypes of
+        the parameter's current state, or of its group's, where there is one (a fresh eager
+        optimizer takes what torch.optim's load_state_dict takes).
 
         Raises:
             ValueError: naming the parameter, the key and both values.
         """
         if self.module is None:
+            self._check_eager_state(state)
             return
         for j, indices in enumerate(self.global_indices):
             view = _GroupView(self.module, j)
@@ -398,6 +401,36 @@ class LocalOptimizer:
                 checked_state(view, functional_state(view, part))
             except ValueError as exc:
                 raise ValueError(_global_indices(str(exc), indices)) from None
+
+    def _check_eager_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        current = self.torch_state(copy=False)
+        for indices in self.global_indices:
+            group_entry = next((current[i] for i in indices if i in current), None)
+            for i in indices:
+                entry = state.get(i)
+                model = current.get(i, group_entry)
+                if not entry or model is None:
+                    continue
+                missing = sorted(set(model) - set(entry))
+                if missing:
+                    raise ValueError(
+                        f"Invalid state[{i}]: no {missing[0]!r} (expected keys {sorted(model)}, "
+                        f"got {sorted(entry)})"
+                    )
+                for key, value in entry.items():
+                    want = model.get(key)
+                    if not (isinstance(value, Tensor) and isinstance(want, Tensor)):
+                        continue
+                    if i in current and value.shape != want.shape:
+                        raise ValueError(
+                            f"Invalid state[{i}][{key!r}]: shape {list(value.shape)} (expected "
+                            f"{list(want.shape)})"
+                        )
+                    if value.is_floating_point() != want.is_floating_point():
+                        raise ValueError(
+                            f"Invalid state[{i}][{key!r}]: dtype {value.dtype} (expected "
+                            f"{want.dtype})"
+                        )
 
     def describe(self) -> Dict[str, Any]:
         """What the trainer keeps about this optimizer: shapes, dtypes, hyper-parameters.

@@ -381,8 +381,8 @@ def _check_state_tensor(i: int, key: str, value: Tensor, expected: Tensor, param
     """
     if value.shape != expected.shape:
         raise ValueError(
-            f"Invalid state[{i}]['{key}']: shape {value.shape} (expected {expected.shape} for "
-            f"params[{i}] of shape {param.shape})"
+            f"Invalid state[{i}]['{key}']: shape {list(value.shape)} (expected "
+            f"{list(expected.shape)} for params[{i}] of shape {list(param.shape)})"
         )
     if expected.dim() == 0:
         if not value.is_floating_point():

@@ -147,6 +147,12 @@ def functional_state(obj: Any, torch_state: Dict[Any, Dict[str, Any]]) -> Dict[i
     for i, entry in torch_state.items():
         p = obj.params[int(i)]
         entry = {k: _from_torch_value(k, v) for k, v in entry.items()}
+        for k, v in entry.items():
+            if v.is_meta:
+                raise ValueError(
+                    f"Invalid state[{i}][{k!r}]: a tensor on the meta device, which holds no "
+                    f"values (expected one on {p.device} or the CPU)"
+                )
         state[int(i)] = {
             k: (v.detach().clone().to(torch.float32) if k == "step" else
                 v.detach().clone().to(device=p.device, dtype=p.dtype) if v.is_floating_point() else

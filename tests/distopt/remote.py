@@ -324,3 +324,50 @@ def clear_checkpoint_fault() -> None:
     from distopt import checkpoint
 
     checkpoint.fault_hook = None
+
+
+# ---------------------------------------------------------------- memory layouts
+
+
+def make_laid_out_param(shape: Tuple[int, ...], seed: int, layout: str) -> Tensor:
+    """A random parameter in ``layout`` (see tests.functional.layouts), on this worker."""
+    from tests.functional.layouts import place
+
+    gen = torch.Generator().manual_seed(seed)
+    param, _ = place(torch.randn(shape, generator=gen), layout)
+    return param.requires_grad_(True)
+
+
+def layout_term(param: Tensor, data: Tensor, kind: str) -> Tensor:
+    """A loss term whose gradient comes out in a given layout from autograd's kernels:
+    "mul" as the parameter (elementwise), "mul_t" transposed (through ``p.t()``),
+    "matmul_t" contiguous (mm's backward), "sum" expanded with stride 0 before it reaches
+    the context. Local autograd fixes ``.grad``'s layout to the parameter's;
+    dist_autograd keeps the gradient as the kernel made it."""
+    if kind == "mul":
+        return torch.tanh(param * data).sum()
+    if kind == "matmul_t":
+        return torch.tanh(data @ param.t()).sum()
+    if kind == "mul_t":
+        return torch.tanh(param.t() * data).sum()
+    if kind == "sum":
+        return param.sum() * data.mean()
+    raise ValueError(f"Invalid kind: {kind!r}")
+
+
+def remote_layout_term(param_rref: rpc.RRef, data: Tensor, kind: str) -> Tensor:
+    return layout_term(param_rref.local_value(), data, kind)
+
+
+def layout_report(param_rref: rpc.RRef, context_id: int) -> Tuple[Tuple[int, ...], ...]:
+    """(parameter strides, strides of its gradient in the context)."""
+    param = param_rref.local_value()
+    grad = dist_autograd.get_gradients(context_id)[param]
+    return (tuple(param.stride()), tuple(grad.stride()))
+
+
+def storage_intact(param_rref: rpc.RRef) -> bool:
+    """Whether the storage around the parameter still holds the layouts' sentinel."""
+    from tests.functional.layouts import outside_intact
+
+    return outside_intact(param_rref.local_value())

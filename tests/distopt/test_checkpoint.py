@@ -173,3 +173,27 @@ def test_owner_missing_its_shard_changes_nothing(world, tmp_path):
     assert list(info.value.failures) == ["worker2"]
     # worker1 read its shard fine but changed nothing: no owner commits unless all staged.
     harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+
+
+def test_load_refuses_a_shard_whose_state_lacks_a_key(world, tmp_path):
+    """A shard rewritten without 'exp_avg_sq' (its generation intact) is refused by its owner
+    before any owner changes: an InvalidStateError naming the worker and the parameter."""
+    from distopt import InvalidStateError
+
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 2)
+    manifest = dist_opt.save(str(tmp_path))
+    shard = next(s for s in manifest["shards"] if s["owner"] == "worker2")
+    data = torch.load(tmp_path / shard["file"], weights_only=True)
+    del data["state"][3]["exp_avg_sq"]
+    torch.save(data, tmp_path / shard["file"])
+    harness.train(dist_opt, ref, rrefs, local, 1, first_step=2)
+    before = dist_opt.state_dict()
+    with pytest.raises(InvalidStateError, match=r"worker2: ValueError: Invalid state\[3\]: no "
+                                                r"'exp_avg_sq'") as info:
+        dist_opt.load(str(tmp_path))
+    assert isinstance(info.value, ValueError)
+    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+    harness.train(dist_opt, ref, rrefs, local, 1, first_step=3)
+    harness.assert_params_equal(rrefs, local, "after a refused load")

@@ -142,3 +142,77 @@ def test_state_dict_takes_one_rpc_per_owner(world, monkeypatch):
     dist_opt.state_dict()
     assert [f for _, f in calls] == [state.local_state] * 2
     assert sorted(to.name for to, _ in calls) == ["worker1", "worker2"]
+
+
+def _drop_key(sd, i):
+    del sd["state"][i]["exp_avg_sq"]
+    return r"Invalid state\[{i}\]: no 'exp_avg_sq'"
+
+
+def _int_buffer(sd, i):
+    sd["state"][i]["exp_avg"] = sd["state"][i]["exp_avg"].to(torch.int64)
+    return r"Invalid state\[{i}\]\['exp_avg'\]: dtype torch.int64 \(expected torch.float32"
+
+
+def _vector_step(sd, i):
+    sd["state"][i]["step"] = torch.tensor([2.0])
+    return r"Invalid state\[{i}\]\['step'\]: shape \[1\] \(expected \[\]"
+
+
+def _factored_shape(sd, i):
+    sd["state"][i]["row_var"] = torch.zeros(9, 1)
+    return r"Invalid state\[{i}\]\['row_var'\]: shape \[9, 1\] \(expected \[\d, 1\]"
+
+
+@pytest.mark.parametrize(
+    "case, corrupt",
+    [(CASES[0], _drop_key), (CASES[0], _int_buffer), (CASES[0], _vector_step),
+     (CASES[4], _factored_shape)],
+    ids=["missing-key", "int-buffer", "vector-step", "adafactor-row_var"],
+)
+def test_owners_refuse_a_bad_state_before_any_changes(world, case, corrupt):
+    """What only the owner's optimizer can check (keys, dtypes, 0-dim and factored shapes) is
+    checked on every owner before any owner changes: one InvalidStateError (a ValueError)
+    naming the worker and the parameter by the trainer's index; state, hyper-parameters and
+    later steps as if nothing had been offered."""
+    from distopt import InvalidStateError
+
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(case, rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 2)
+    before = dist_opt.state_dict()
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0]["lr"] = 0.5
+    # Global index 3 lives on worker2, the second owner: worker1 checks fine and must not
+    # have changed either.
+    pattern = corrupt(bad, 3).replace("{i}", "3")
+    with pytest.raises(InvalidStateError, match=r"worker2: ValueError: " + pattern) as info:
+        dist_opt.load_state_dict(bad)
+    assert isinstance(info.value, ValueError)
+    assert list(info.value.failures) == ["worker2"]
+    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+    assert dist_opt.param_groups[0]["lr"] == before["param_groups"][0]["lr"]
+    harness.train(dist_opt, ref, rrefs, local, 2, first_step=2)
+    harness.assert_params_equal(rrefs, local, "after a refused load_state_dict")
+
+
+def test_eager_owner_refuses_a_state_lacking_a_key(world, monkeypatch):
+    """The eager path has no template; its own state is the model: a state_dict lacking a key
+    it keeps is refused on the owner before any owner changes."""
+    from distopt import InvalidStateError
+
+    case = CASES[0]
+    monkeypatch.delitem(functional_optim_map, case[0])
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(case, rrefs, local)
+    assert not dist_opt.is_functional_optim
+    harness.train(dist_opt, ref, rrefs, local, 2)
+    before = dist_opt.state_dict()
+    bad = copy.deepcopy(before)
+    del bad["state"][3]["exp_avg_sq"]
+    with pytest.raises(InvalidStateError, match=r"worker2: ValueError: Invalid state\[3\]: no "
+                                                r"'exp_avg_sq'"):
+        dist_opt.load_state_dict(bad)
+    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+    harness.train(dist_opt, ref, rrefs, local, 1, first_step=2)
+    harness.assert_params_equal(rrefs, local)

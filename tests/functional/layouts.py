@@ -4,7 +4,7 @@ A parameter is placed in a layout by building its values contiguously and copyin
 a tensor of that layout; the storage around a non-dense parameter is filled with a sentinel
 so that a kernel writing outside the parameter is caught.
 """
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -21,7 +21,8 @@ GRAD_LAYOUTS = ("own", "contiguous", "permuted", "expanded")
 
 def place(values: torch.Tensor, layout: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``values`` copied into a new tensor of ``layout``; also the storage's base tensor
-    (filled with SENTINEL outside the view) for the non-dense layouts, else None."""
+    (filled with SENTINEL outside the view, see ``outside_intact``) for the non-dense
+    layouts, else None."""
     shape = tuple(values.shape)
     n = len(shape)
     if layout == "contiguous" or n == 0:
@@ -88,16 +89,12 @@ def in_own_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(param).copy_(grad)
 
 
-def sentinels_intact(bases: List[Optional[torch.Tensor]], params: List[torch.Tensor]) -> bool:
-    """Whether every storage element outside the parameters still holds SENTINEL."""
-    for base, p in zip(bases, params):
-        if base is None:
-            continue
-        mask = torch.ones(base.numel(), dtype=torch.bool)
-        flat_index = torch.arange(base.numel()).as_strided(
-            p.shape, p.stride(), p.storage_offset()
-        )
-        mask[flat_index.reshape(-1)] = False
-        if not bool((base.reshape(-1)[mask] == SENTINEL).all()):
-            return False
-    return True
+def outside_intact(param: torch.Tensor) -> bool:
+    """Whether every element of ``param``'s storage outside ``param`` still holds SENTINEL
+    (trivially true for a parameter that fills its storage)."""
+    n = param.untyped_storage().nbytes() // param.element_size()
+    flat = torch.empty(0, dtype=param.dtype).set_(param.untyped_storage(), 0, (n,), (1,))
+    mask = torch.ones(n, dtype=torch.bool)
+    inside = torch.arange(n).as_strided(param.shape, param.stride(), param.storage_offset())
+    mask[inside.reshape(-1)] = False
+    return bool((flat[mask] == SENTINEL).all())
