@@ -20,7 +20,7 @@ per-row means in place; then the usual step runs. That costs one more round of R
 step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
 """
 import logging
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
@@ -28,7 +28,7 @@ import torch.distributed.rpc as rpc
 from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
-from distopt.sparse.embedding import ShardedEmbedding
+from distopt.sparse.embedding import ShardedEmbedding, tables_with_gradient
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,11 @@ class _SparseOptimizer(DistributedOptimizer):
         self.embeddings: List[ShardedEmbedding] = embeddings
         #: How rows looked up several times in one step combine: ``"sum"`` or ``"mean"``.
         self.duplicates = duplicates
+        # The global indices of each table's shards (parameters are numbered table by table).
+        self._table_params: List[List[int]] = []
+        for emb in embeddings:
+            start = self._table_params[-1][-1] + 1 if self._table_params else 0
+            self._table_params.append(list(range(start, start + len(emb.parameter_rrefs()))))
         self._shards_by_owner: Dict[str, Tuple[rpc.WorkerInfo, List[int]]] = {}
         for emb in embeddings:
             for info, shard_id in emb.shard_ids():
@@ -118,6 +123,13 @@ class _SparseOptimizer(DistributedOptimizer):
             name: (info, _owner.average_duplicates, (shard_ids, context_id))
             for name, (info, shard_ids) in self._shards_by_owner.items()
         })
+
+    def _empty_gradient_params(self, context_id: int) -> Set[int]:
+        """Every shard of every table that got a gradient in the context: each owner steps
+        its shard, with a gradient holding no rows where the context gives it none, so the
+        table steps as one parameter would (see the module's docstring)."""
+        got = tables_with_gradient(self.embeddings, context_id)
+        return {i for g, indices in zip(got, self._table_params) if g for i in indices}
 
 
 class SparseSGD(_SparseOptimizer):
