@@ -54,6 +54,8 @@ CASES = [
 ROUND_TRIP = [c for c in CASES if c[0] in ("adam", "adagrad-decay-init", "sgd-momentum")]
 #: Steps before a state_dict / save in the round-trip tests: owners were left out by then.
 SAVE_AFTER = 4
+#: The step before which the parity test halves the learning rate.
+LR_CHANGE = 3
 
 
 def make_tables(partition: str) -> Tuple[List[ShardedEmbedding], List[nn.Embedding]]:
@@ -134,6 +136,9 @@ def test_every_owner_steps_whenever_its_table_gets_a_gradient(world, case, parti
     opt = cls(sharded, **kwargs)
     ref = torch_class([emb.weight for emb in local], **kwargs)
     for step in range(len(STEPS)):
+        if step == LR_CHANGE:  # the change rides on the next step's RPCs (the locked path)
+            for o in (opt, ref):
+                o.param_groups[0]["lr"] *= 0.5
         dist_step(sharded, opt, step)
         local_step(local, ref, step)
         assert_matches(sharded, opt, local, ref, f"{partition} after step {step}")
