@@ -6,6 +6,11 @@ with its local row numbers, all in flight at once; inside a distributed autograd
 RPC records the sends and receives, so the backward pass returns to each owner the
 gradient of the rows it sent, and nothing else, which the owner's
 ``embedding(..., sparse=True)`` turns into a row-sparse gradient of its shard.
+
+In a context, every lookup, an empty one included, is also joined with a trainer-local
+leaf of the table that holds no rows (its marker); backward through any lookup leaves the
+marker a gradient in the context, so ``tables_with_gradient`` tells, without asking an
+owner, whether the table got a gradient, which is when torch.optim would step it.
 """
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
