@@ -35,7 +35,10 @@ Where distopt still differs from torch:
   ShardedEmbedding); a shard that got a gradient some other way (another process's copy of
   the table, the shard used directly through its RRef) steps alone, the others do not;
 - a state_dict or checkpoint whose shards of one table hold different counts (written
-  before counts were table-wide) loads as it is, and the counts stay apart.
+  before counts were table-wide) loads as it is, and the counts stay apart;
+- gradients live in each context, as after torch's default ``zero_grad(set_to_none=True)``:
+  torch with ``set_to_none=False`` keeps a zeroed ``.grad`` and so steps (and counts) a
+  table that a later step did not look up; here that table does not step.
 
 One limit comes from torch's distributed autograd rather than from the optimizers: a lookup
 whose output never reaches the loss, on an owner that gets some other gradient in the same
