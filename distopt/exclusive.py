@@ -20,12 +20,14 @@ new optimizer exist for anyone to step.
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import Any, List
 
 import torch
 from torch.distributed.rpc import RRef
 
-__all__ = ["ExclusiveStep", "register", "script_step", "switch_to_locked"]
+__all__ = [
+    "ExclusiveStep", "register", "script_step", "script_step_with_empty", "switch_to_locked",
+]
 
 
 @torch.jit.interface
@@ -33,6 +35,9 @@ class ExclusiveStep:
     """What ``script_step`` calls on the scripted module behind the RRef."""
 
     def step_exclusive(self, autograd_ctx_id: int) -> None:
+        pass
+
+    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
         pass
 
 
@@ -45,6 +50,16 @@ def script_step(optimizer: RRef[ExclusiveStep], autograd_ctx_id: int) -> None:
     accept), sent from C++, which takes no GIL.
     """
     optimizer.local_value().step_exclusive(autograd_ctx_id)
+
+
+@torch.jit.script
+def script_step_with_empty(
+    optimizer: RRef[ExclusiveStep], autograd_ctx_id: int, empty: List[List[int]]
+) -> None:
+    """TorchScript RPC target: ``script_step``, where the parameters at positions
+    ``empty[j]`` of local group ``j`` step even without a gradient in the context, with one
+    holding no rows (see ``distopt.owner.empty_sparse_gradient``)."""
+    optimizer.local_value().step_exclusive_with_empty(autograd_ctx_id, empty)
 
 
 # ---------------------------------------------------------------- trainer side

@@ -255,7 +255,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Step every owner's local optimizer with the gradients of ``context_id``.
 
         Blocks until every owner has replied. Owners that received no gradient in this
-        context leave their parameters as they are. Hyper-parameters changed in
+        context leave their parameters as they are (but see ``distopt.sparse``: a sharded
+        table steps on every owner when it got a gradient). Hyper-parameters changed in
         ``param_groups`` since the last step travel with this step's RPCs.
 
         Args:
@@ -274,6 +275,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             changes = pending_changes(
                 self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
             )
+            empty_params = self._empty_gradient_params(context_id)
             reached: Optional[Set[int]] = None
             futures = {}
             for part in self._owners:
@@ -282,6 +284,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     for j, g in enumerate(part.groups)
                     for key, value in changes.get(g, {}).items()
                 ]
+                empty = _local_positions(part, empty_params) if empty_params else None
                 if part.script is not None and not local_changes:
                     if reached is None:
                         reached = set(context._known_worker_ids())
@@ -289,12 +292,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # Only an owner this context reached surely holds it; another may hold
                     # it through a nested RPC, or not at all, which the locked path handles.
                     if part.info.id in reached:
-                        futures[part.name] = call_async(
-                            part.info, exclusive.script_step, (part.script, context_id), {}
-                        )
+                        if empty is None:
+                            target, args = exclusive.script_step, (part.script, context_id)
+                        else:
+                            target = exclusive.script_step_with_empty
+                            args = (part.script, context_id, empty)
+                        futures[part.name] = call_async(part.info, target, args, {})
                         continue
-                args: tuple = (part.id, context_id, local_changes) if local_changes else (
-                    part.id, context_id)
+                if empty is not None:
+                    args = (part.id, context_id, local_changes or None, empty)
+                elif local_changes:
+                    args = (part.id, context_id, local_changes)
+                else:
+                    args = (part.id, context_id)
                 futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
             _, failures, causes = wait_all(futures)
             if failures:
@@ -305,6 +315,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _before_step(self, context_id: int) -> None:
         """What a subclass must do on the owners before each step, under the step's lock
         (the live ``context_id`` is checked already). Nothing here."""
+
+    def _empty_gradient_params(self, context_id: int) -> Set[int]:
+        """The global indices of the parameters that this step must update even where the
+        context holds no gradient for them, with a sparse gradient holding no rows
+        (``distopt.owner.empty_sparse_gradient``); told to their owners with the step's RPC.
+
+        Nothing here: a parameter without a gradient is skipped, as torch.optim skips a
+        ``None`` ``.grad``. The sharded-table optimizers name every shard of a table that
+        got a gradient, so that the table steps as one parameter (``distopt.sparse``).
+        """
+        return set()
 
     def _switch_to_locked(self, owner_name: str) -> None:
         """Step the local optimizer on ``owner_name`` through its locks from now on.
@@ -445,6 +466,13 @@ def _live_context(context_id: Any) -> Tuple[int, Any]:
             f"Invalid context_id: {context_id!r} (expected the id of a live "
             f"dist_autograd.context() on this worker)"
         ) from exc
+
+
+def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[int]]]:
+    """For each of ``part``'s local groups, the positions of its parameters in ``wanted``
+    (global indices); None when it has none."""
+    positions = [[k for k, i in enumerate(indices) if i in wanted] for indices in part.indices]
+    return positions if any(positions) else None
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:

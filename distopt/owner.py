@@ -121,6 +121,19 @@ def lock_of(param: Tensor) -> Optional[threading.Lock]:
     return None if entry is None else entry.lock
 
 
+def empty_sparse_gradient(param: Tensor) -> Tensor:
+    """A sparse COO gradient of ``param`` holding no rows.
+
+    It is what ``embedding(..., sparse=True)`` gives a table for an empty lookup, and what
+    torch.optim steps with when a table's gradient holds rows of other shards only: the
+    step counts (SparseAdam's and Adagrad's ``step`` advance, SGD's momentum buffer decays
+    and moves the rows it holds), yet no row is added.
+    """
+    indices = torch.empty([1, 0], dtype=torch.int64, device=param.device)
+    values = param.new_empty([0] + list(param.shape[1:]))
+    return torch.sparse_coo_tensor(indices, values, param.shape)
+
+
 class _CompiledLocalOptimizer(torch.nn.Module):
     """Functional optimizers, one per param group, stepped from an autograd context id.
 
@@ -158,12 +171,45 @@ class _CompiledLocalOptimizer(torch.nn.Module):
         self.step_context(autograd_ctx_id)
 
     @torch.jit.export
+    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+        """``step_with_empty`` without the locks, in a context this worker holds."""
+        if self.refusal != "":
+            raise RuntimeError(self.refusal)
+        self._step_gradients(dist_autograd.get_gradients(autograd_ctx_id), empty)
+
+    @torch.jit.export
     def step_context(self, autograd_ctx_id: int) -> None:
         """Step every group with the gradients the context holds; others are skipped."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
         for j in range(len(self.optims)):
             # One dict lookup per parameter (get), not two (in, then []).
             grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in self.params[j]]
+            self.optims[j].step(grads)
+
+    @torch.jit.export
+    def step_with_empty(
+        self, autograd_ctx_id: int, in_context: bool, empty: List[List[int]]
+    ) -> None:
+        """``step_context``, where the parameters at positions ``empty[j]`` of group ``j``
+        that the context gives no gradient step with a sparse gradient holding no rows.
+
+        ``in_context`` is False when this worker holds no such context: then every
+        parameter but those in ``empty`` is skipped.
+        """
+        grads_by_param = torch.jit.annotate(Dict[Tensor, Tensor], {})
+        if in_context:
+            grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
+        self._step_gradients(grads_by_param, empty)
+
+    def _step_gradients(
+        self, grads_by_param: Dict[Tensor, Tensor], empty: List[List[int]]
+    ) -> None:
+        for j in range(len(self.optims)):
+            params = self.params[j]
+            grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in params]
+            for k in empty[j]:
+                if grads[k] is None:
+                    grads[k] = empty_sparse_gradient(params[k])
             self.optims[j].step(grads)
 
     @torch.jit.export
@@ -230,15 +276,27 @@ class _EagerStep:
         args: tuple,
         kwargs: Dict[str, Any],
     ) -> None:
+        self.group_params = group_params
         self.params = [p for ps in group_params for p in ps]
         groups = [{"params": ps, **options} for ps, options in zip(group_params, group_options)]
         self.optim = optim_cls(groups, *args, **kwargs)
 
-    def __call__(self, autograd_ctx_id: int) -> None:
-        grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
+    def __call__(
+        self,
+        autograd_ctx_id: int,
+        empty: Optional[List[List[int]]] = None,
+        in_context: bool = True,
+    ) -> None:
+        """Step with the context's gradients; ``empty`` and ``in_context`` as in
+        ``_CompiledLocalOptimizer.step_with_empty``."""
+        grads_by_param = dist_autograd.get_gradients(autograd_ctx_id) if in_context else {}
         try:
             for p in self.params:
                 p.grad = grads_by_param.get(p)
+            for params, positions in zip(self.group_params, empty or []):
+                for k in positions:
+                    if params[k].grad is None:
+                        params[k].grad = empty_sparse_gradient(params[k])
             self.optim.step()
         finally:
             for p in self.params:
@@ -299,6 +357,16 @@ class LocalOptimizer:
         self.id = next(_ids)
         _live_local_optimizers.add(self)
         _by_id[self.id] = self
+
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+        """``step_context``, where the parameters at positions ``empty[j]`` of local group
+        ``j`` that the context gives no gradient (or that have no context here) step with
+        ``empty_sparse_gradient``; unlocked."""
+        in_context = _has_context(autograd_ctx_id)
+        if self.module is not None:
+            self.module.step_with_empty(autograd_ctx_id, in_context, empty)
+        else:
+            self.step_context(autograd_ctx_id, empty, in_context)
 
     def locked(self) -> "contextlib.AbstractContextManager[None]":
         """Hold every lock of this optimizer's parameters."""
@@ -487,7 +555,7 @@ def _global_indices(message: str, indices: List[int]) -> str:
     )
 
 
-def _closed_step(autograd_ctx_id: int) -> None:
+def _closed_step(autograd_ctx_id: int, *more: Any) -> None:
     raise RuntimeError("Invalid local optimizer: it was released (expected a live one)")
 
 
@@ -640,17 +708,23 @@ def _revoke_exclusive(local: LocalOptimizer) -> None:
 
 
 def step_local_optimizer(
-    optimizer: Union[int, rpc.RRef], autograd_ctx_id: int, changes: Optional[List[Change]] = None
+    optimizer: Union[int, rpc.RRef],
+    autograd_ctx_id: int,
+    changes: Optional[List[Change]] = None,
+    empty: Optional[List[List[int]]] = None,
 ) -> Optional[RemoteFailure]:
     """RPC target of every locked step: lock, apply piggybacked changes, one call, unlock.
 
     An owner that took no part in the backward pass has no such context: it only applies
-    the changes.
+    the changes, and steps the parameters in ``empty``.
 
     Args:
         optimizer: the local optimizer's ``id`` (what the trainer sends), or its RRef.
         autograd_ctx_id: the context holding the gradients.
         changes: hyper-parameter changes made on the trainer since the last step, or None.
+        empty: for each local group, the positions of the parameters that step even when
+            the context holds no gradient for them, with one holding no rows (a sharded
+            table whose gradient fell on other owners; see ``empty_sparse_gradient``).
 
     Returns:
         None, or a ``RemoteFailure``.
@@ -671,16 +745,19 @@ def step_local_optimizer(
                     local.apply_changes(changes)
                 except Exception as exc:  # reported even when this owner has no gradients
                     return RemoteFailure.from_exception(exc)
-            local.step_context(autograd_ctx_id)
+            if empty:
+                local.step_with_empty(autograd_ctx_id, empty)
+            else:
+                local.step_context(autograd_ctx_id)
         return None
     except Exception as exc:
-        if not _has_context(autograd_ctx_id):
+        if not empty and not _has_context(autograd_ctx_id):
             return None
         return RemoteFailure.from_exception(exc)
 
 
 def _has_context(autograd_ctx_id: int) -> bool:
-    # Asked only after a failed step, so the hot path pays nothing for it.
+    # Asked after a failed step, or by a step with ``empty`` parameters (one C++ call).
     try:
         dist_autograd._retrieve_context(autograd_ctx_id)
     except RuntimeError:

@@ -2,8 +2,10 @@
 
 ``ShardedEmbedding`` splits a table's rows over owner workers and looks rows up with one
 RPC per owner; its backward pass sends each owner only its rows' gradients. ``SparseSGD``,
-``SparseAdagrad`` and ``SparseAdam`` update, on each owner, only the rows a step looked
-up, with torch.optim's semantics (or DGL's averaging of repeated rows).
+``SparseAdagrad`` and ``SparseAdam`` update, on each owner, the rows a step's gradient
+holds, with torch.optim's semantics on one ``nn.Embedding(sparse=True)`` (or DGL's
+averaging of repeated rows): a table steps as one parameter, its step counts advancing on
+every owner whenever it gets a gradient (see ``distopt.sparse.optimizers``).
 """
 from distopt.sparse.embedding import ShardedEmbedding
 from distopt.sparse.optimizers import SparseAdagrad, SparseAdam, SparseSGD

@@ -6,11 +6,17 @@ with its local row numbers, all in flight at once; inside a distributed autograd
 RPC records the sends and receives, so the backward pass returns to each owner the
 gradient of the rows it sent, and nothing else, which the owner's
 ``embedding(..., sparse=True)`` turns into a row-sparse gradient of its shard.
+
+In a context, every lookup, an empty one included, is also joined with a trainer-local
+leaf of the table that holds no rows (its marker); backward through any lookup leaves the
+marker a gradient in the context, so ``tables_with_gradient`` tells, without asking an
+owner, whether the table got a gradient, which is when torch.optim would step it.
 """
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
@@ -167,6 +173,10 @@ class ShardedEmbedding(nn.Module):
         #: Whether lookups record their rows on the owners, for ``duplicates="mean"``
         #: optimizers (set by them; off, a lookup costs nothing extra).
         self.track_lookups = False
+        # A leaf with no rows, joined into every lookup made in a distributed autograd
+        # context: backward through any of them leaves it a (rowless) gradient in that
+        # context, which is how ``tables_with_gradient`` tells that the table got one.
+        self._marker = torch.zeros(0, embedding_dim, dtype=dtype, requires_grad=True)
 
     def _create(self, calls: List[Tuple[Any, tuple]]) -> None:
         """Create every shard at once, one rpc_async per owner; keep their RRefs and ids.
@@ -203,6 +213,10 @@ class ShardedEmbedding(nn.Module):
     def forward(self, indices: Tensor) -> Tensor:
         """Look rows up: ``indices`` of any shape -> ``(*indices.shape, embedding_dim)``.
 
+        Inside a distributed autograd context the result is differentiable even when
+        ``indices`` is empty, as ``nn.Embedding``'s is: backward through it alone gives the
+        table a gradient with no rows, and the optimizer's next step counts it.
+
         Args:
             indices: integer row numbers in ``[0, num_embeddings)``.
 
@@ -217,21 +231,39 @@ class ShardedEmbedding(nn.Module):
         """
         flat = self._check_indices(indices)
         shape = (*indices.shape, self.embedding_dim)
+        marked = _in_autograd_context()
         if flat.numel() == 0:
-            return torch.empty(shape, dtype=self.dtype)
+            return self._joined([], marked).view(shape)
         owner_of = self._partition.owner_of(flat)
         local = self._partition.local_of(flat, owner_of)
         if len(self._infos) == 1:
-            return self._lookup(0, local).wait().view(shape)
+            return self._joined([self._lookup(0, local).wait()], marked).view(shape)
         # Group the requests by owner (stable, so each owner sees its rows in request order).
         order = torch.argsort(owner_of, stable=True)
         counts = torch.bincount(owner_of, minlength=len(self._infos)).tolist()
         pieces = local.index_select(0, order).split(counts)
         futures = [self._lookup(k, piece) for k, piece in enumerate(pieces) if counts[k]]
-        rows = torch.cat([fut.wait() for fut in futures]) if len(futures) > 1 else futures[0].wait()
+        rows = self._joined([fut.wait() for fut in futures], marked)
+        if len(futures) == 1:  # one owner: its rows are in request order already
+            return rows.view(shape)
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel())
         return rows.index_select(0, position).view(shape)
+
+    def _joined(self, pieces: List[Tensor], marked: bool) -> Tensor:
+        """The owners' rows as one tensor; when ``marked``, joined with the table's marker
+        (no rows), so that backward through them reaches it.
+
+        The marker costs nothing where ``torch.cat`` joins several owners' rows anyway, and
+        one copy of the rows where one owner serves the whole lookup.
+        """
+        if marked:
+            return torch.cat([*pieces, self._marker])
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return torch.empty(0, self.embedding_dim, dtype=self.dtype)
+        return torch.cat(pieces)
 
     def _lookup(self, k: int, local_rows: Tensor) -> torch.futures.Future:
         args: tuple = (self._ids[k], local_rows)
@@ -280,6 +312,30 @@ class ShardedEmbedding(nn.Module):
             f"{self.num_embeddings}, {self.embedding_dim}, owners={self.owners!r}, "
             f"partition={self.partition!r}"
         )
+
+
+def tables_with_gradient(embeddings: Sequence[ShardedEmbedding], context_id: int) -> List[bool]:
+    """Whether each table got a gradient in the distributed autograd context ``context_id``.
+
+    A table gets one when the backward pass reaches any of its lookups made in that
+    context on this process, empty lookups included, and whatever rows they hold: the
+    condition under which torch sets ``nn.Embedding.weight.grad``. One look at the context's
+    gradients on this process (each table's marker), no RPC.
+
+    Raises:
+        RuntimeError: no such context on this process.
+    """
+    gradients = dist_autograd.get_gradients(context_id)
+    return [emb._marker in gradients for emb in embeddings]
+
+
+def _in_autograd_context() -> bool:
+    """Whether this thread is inside a distributed autograd context."""
+    try:
+        dist_autograd._current_context()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _resolve_owners(owners: Sequence[Owner]) -> List[rpc.WorkerInfo]:

@@ -12,6 +12,39 @@ from DistributedOptimizer unchanged: ``step(context_id)``, param groups and lr s
 Parameters are numbered shard by shard: the shards of the first embedding in owner order,
 then those of the next.
 
+A table steps as one parameter. torch.optim keeps some state per parameter rather than per
+row: SparseAdam's ``step`` (bias correction), Adagrad's ``step`` (``lr_decay``), and SGD's
+momentum buffer, which moves every row it holds at each step. All of it advances whenever
+the table's ``.grad`` is set, whichever rows that gradient holds. So at each step the
+trainer names, in the step's one RPC per owner, the shards of every table that got a
+gradient in the context; an owner whose shard got no rows steps it with a sparse gradient
+holding none (``distopt.owner.empty_sparse_gradient``), which is what torch's step does with
+the rest of the table, and every shard's count stays the table's count, in ``state_dict``
+and checkpoints too. A table got a gradient when the backward pass reached any of its
+lookups made in the context: empty lookups count (as ``nn.Embedding``'s), lookups whose
+output never reached the loss and tables not looked up do not. The trainer tells that from
+its own copy of the context, without an RPC: every lookup is joined with a leaf of the table
+that holds no rows, and backward leaves that leaf a gradient in the context
+(``distopt.sparse.embedding.tables_with_gradient``).
+
+Where distopt still differs from torch:
+
+- only these classes count table-wide: a plain DistributedOptimizer over
+  ``parameter_rrefs()`` sees each shard as a parameter, stepped only when it got rows;
+- the table counts the lookups made on the process that calls ``step`` (the one holding the
+  ShardedEmbedding); a shard that got a gradient some other way (another process's copy of
+  the table, the shard used directly through its RRef) steps alone, the others do not;
+- a state_dict or checkpoint whose shards of one table hold different counts (written
+  before counts were table-wide) loads as it is, and the counts stay apart;
+- gradients live in each context, as after torch's default ``zero_grad(set_to_none=True)``:
+  torch with ``set_to_none=False`` keeps a zeroed ``.grad`` and so steps (and counts) a
+  table that a later step did not look up; here that table does not step.
+
+One limit comes from torch's distributed autograd rather than from the optimizers: a lookup
+whose output never reaches the loss, on an owner that gets some other gradient in the same
+context, makes ``dist_autograd.backward`` wait until the RPC timeout (its FAST mode expects
+a gradient for every RPC of the context on such an owner). Look up only what the loss uses.
+
 ``duplicates="mean"`` (DGL's rule) averages, rather than sums, the gradients of a row
 looked up several times in one step. The context's accumulated gradient cannot count the
 lookups (see ``distopt.sparse._owner``), so the embeddings record them on their owners and
@@ -20,7 +53,7 @@ per-row means in place; then the usual step runs. That costs one more round of R
 step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
 """
 import logging
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
@@ -28,7 +61,7 @@ import torch.distributed.rpc as rpc
 from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
-from distopt.sparse.embedding import ShardedEmbedding
+from distopt.sparse.embedding import ShardedEmbedding, tables_with_gradient
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +134,11 @@ class _SparseOptimizer(DistributedOptimizer):
         self.embeddings: List[ShardedEmbedding] = embeddings
         #: How rows looked up several times in one step combine: ``"sum"`` or ``"mean"``.
         self.duplicates = duplicates
+        # The global indices of each table's shards (parameters are numbered table by table).
+        self._table_params: List[List[int]] = []
+        for emb in embeddings:
+            start = self._table_params[-1][-1] + 1 if self._table_params else 0
+            self._table_params.append(list(range(start, start + len(emb.parameter_rrefs()))))
         self._shards_by_owner: Dict[str, Tuple[rpc.WorkerInfo, List[int]]] = {}
         for emb in embeddings:
             for info, shard_id in emb.shard_ids():
@@ -119,6 +157,13 @@ class _SparseOptimizer(DistributedOptimizer):
             for name, (info, shard_ids) in self._shards_by_owner.items()
         })
 
+    def _empty_gradient_params(self, context_id: int) -> Set[int]:
+        """Every shard of every table that got a gradient in the context: each owner steps
+        its shard, with a gradient holding no rows where the context gives it none, so the
+        table steps as one parameter would (see the module's docstring)."""
+        got = tables_with_gradient(self.embeddings, context_id)
+        return {i for g, indices in zip(got, self._table_params) if g for i in indices}
+
 
 class SparseSGD(_SparseOptimizer):
     r"""SGD on the rows each step looked up, as torch.optim.SGD on ``nn.Embedding(sparse=True)``.
@@ -132,7 +177,8 @@ class SparseSGD(_SparseOptimizer):
         \theta_t &= \theta_{t-1} - \gamma \, (g_t + \mu b_t \text{ (Nesterov) or } b_t)
 
     Without momentum only the rows looked up change. With momentum the buffer is sparse,
-    as in torch, and keeps moving every row it has ever held.
+    as in torch, and at every step in which the table gets a gradient it decays and moves
+    every row it has ever held, on every owner (the table steps as one parameter).
 
     Args:
         embeddings: the tables to train (one ShardedEmbedding or a list).
@@ -183,7 +229,8 @@ class SparseAdagrad(_SparseOptimizer):
 
     Only the rows looked up change, they and their ``sum``. With :math:`g_t` the row-sparse
     gradient (duplicates summed, or averaged with ``duplicates="mean"``), learning-rate
-    decay :math:`\eta` and :math:`t` counting the table's steps:
+    decay :math:`\eta` and :math:`t` counting the table's steps (every step in which the
+    table got a gradient, on every owner, whichever rows it held):
 
     .. math::
         s_t &= s_{t-1} + g_t^2 \\
@@ -238,7 +285,8 @@ class SparseAdam(_SparseOptimizer):
     Only the rows looked up change, they and their moments; rows not looked up keep their
     moments instead of decaying them. With :math:`g_t` the row-sparse gradient (duplicates
     summed, or averaged with ``duplicates="mean"``) and :math:`t` counting the table's
-    steps, on the rows it holds:
+    steps (every step in which the table got a gradient, on every owner, whichever rows it
+    held), on the rows it holds:
 
     .. math::
         m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t, \quad
