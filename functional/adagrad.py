@@ -11,6 +11,7 @@ from functional._validation import (
     check_fused,
     check_lr,
     check_params,
+    check_types,
 )
 from functional._common import (
     increment_steps,
@@ -83,6 +84,7 @@ class FunctionalAdagrad:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdagrad)
             check_params(params)
+            check_types(FunctionalAdagrad, locals())
             check_lr(lr)
             check_at_least("lr_decay", lr_decay, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)

@@ -19,6 +19,7 @@ from functional._validation import (
     check_lr,
     check_no_tensor_lr_with_foreach,
     check_params,
+    check_types,
 )
 from functional._common import (
     increment_steps,
@@ -225,6 +226,7 @@ class FunctionalAdam:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdam)
             check_params(params)
+            check_types(FunctionalAdam, locals())
             check_no_tensor_lr_with_foreach(lr, foreach, capturable)
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
@@ -356,6 +358,7 @@ class FunctionalAdamW:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdamW)
             check_params(params)
+            check_types(FunctionalAdamW, locals())
             check_no_tensor_lr_with_foreach(lr, foreach, capturable)
             check_lr(lr)
             check_at_least("eps", eps, 0.0)

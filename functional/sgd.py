@@ -11,6 +11,7 @@ from functional._validation import (
     check_lr,
     check_nesterov,
     check_params,
+    check_types,
 )
 from functional._common import (
     gather,
@@ -76,6 +77,7 @@ class FunctionalSGD:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalSGD)
             check_params(params)
+            check_types(FunctionalSGD, locals())
             check_lr(lr)
             check_at_least("momentum", momentum, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)
