@@ -188,9 +188,12 @@ def check_length(name: str, value: Sequence[float], length: int) -> None:
 # ---------------------------------------------------------------- argument types
 #
 # One check for every constructor: each argument against its annotation, leniently, as
-# torch.optim's arithmetic takes it (an int or a 1-element Tensor where a float is
-# annotated, an int where a bool is, a list where a tuple is). Annotations this check does
-# not understand (Any, Iterable, a class of the user's) accept everything.
+# torch.optim's arithmetic takes it (an int, a numpy scalar or a Tensor where a float is
+# annotated, an int or None where a bool is, a list where a tuple is); value ranges are the
+# other checks' job. A string where a flag is annotated is refused although torch.optim
+# would read it for its truth: "False" is true, and TorchScript cannot hold it in a bool.
+# Annotations this check does not understand (Any, Iterable, a class of the user's) accept
+# everything.
 
 
 def argument_hints(function: Any) -> Dict[str, Any]:
@@ -293,8 +296,8 @@ def _accepts(hint: Any, value: Any) -> bool:
         return isinstance(value, (numbers.Real, Tensor))
     if hint is int:
         return isinstance(value, numbers.Integral)
-    if hint is bool:  # flags are read for their truth; an int is as good as a bool
-        return isinstance(value, numbers.Integral)
+    if hint is bool:  # torch.optim reads a flag for its truth: an int or None will do
+        return value is None or isinstance(value, numbers.Integral)
     if hint is str:
         return isinstance(value, str)
     if hint is Tensor:

@@ -100,7 +100,7 @@ class FunctionalAdagrad:
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.eps = float(eps)
         self.foreach = foreach
-        self.maximize = maximize
+        self.maximize = bool(maximize)  # the fused kernel takes no int or None
         self.differentiable = differentiable
         self.fused = fused
         self.use_fused = use_fused_kernel(foreach, fused)

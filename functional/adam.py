@@ -241,9 +241,9 @@ class FunctionalAdam:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.amsgrad = amsgrad
+        self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
         self.foreach = foreach
-        self.maximize = maximize
+        self.maximize = bool(maximize)
         self.capturable = capturable
         self.differentiable = differentiable
         self.fused = fused
@@ -373,8 +373,8 @@ class FunctionalAdamW:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.amsgrad = amsgrad
-        self.maximize = maximize
+        self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
+        self.maximize = bool(maximize)
         self.foreach = foreach
         self.capturable = capturable
         self.differentiable = differentiable

@@ -90,8 +90,8 @@ class FunctionalSGD:
         self.momentum = float(momentum)
         self.dampening = float(dampening)
         self.weight_decay = float(weight_decay)
-        self.nesterov = nesterov
-        self.maximize = maximize
+        self.nesterov = bool(nesterov)  # the fused kernel takes no int or None
+        self.maximize = bool(maximize)
         self.foreach = foreach
         self.differentiable = differentiable
         self.fused = fused
