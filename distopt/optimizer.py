@@ -13,6 +13,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from distopt import checkpoint, clipping, exclusive, owner, state
+from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.errors import compose_error
 from distopt.fanout import call_async, wait_all
 from distopt.param_groups import (
@@ -86,7 +87,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     numbers them in its ``state_dict``.
 
     Args:
-        optimizer_class: a :class:`torch.optim.Optimizer` subclass, or any class registered in
+        optimizer_class: a :class:`torch.optim.Optimizer` subclass whose ``step`` needs no
+            closure (every torch.optim class but LBFGS), or any class registered in
             ``functional.functional_optim_map``.
         params_rref: RRefs to the parameters to optimize, local or remote; or param group
             dicts, ``{"params": [rref, ...], "lr": ...}``, as torch.optim takes them.
@@ -94,11 +96,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **kwargs: keyword arguments for the optimizer: the defaults of every group.
 
     Raises:
-        TypeError: ``optimizer_class`` is not an optimizer class, or an item of
-            ``params_rref`` is not an RRef.
+        TypeError: before any RPC: ``optimizer_class`` is not an optimizer class, or runs
+            eagerly and its ``step`` needs a closure (LBFGS); an item of ``params_rref`` is
+            not an RRef; the arguments do not fit ``optimizer_class``'s constructor (named
+            as Python names them, e.g. ``Adam.__init__() got an unexpected keyword argument
+            'bogus'``), or one is of the wrong kind for its annotation (``Invalid lr:
+            'fast' (expected a float or Tensor)``).
         ValueError: ``params_rref`` is empty, or a group has no parameters.
         DistributedOptimizerError: some owners failed to create their optimizer (for
-            instance they rejected the arguments); those created elsewhere are released.
+            instance they rejected a value, ``lr=-1``); those created elsewhere are released.
 
     Example::
 
@@ -122,8 +128,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        _check_optimizer_class(optimizer_class)
+        is_class = inspect.isclass(optimizer_class)
+        functional_cls = functional_optim_map.get(optimizer_class) if is_class else None
+        # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
+        jit_enabled = bool(torch.jit._state._enabled)
+        is_functional_optim = functional_cls is not None and (
+            jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
+        )
+        check_optimizer_class(optimizer_class, eager=not is_functional_optim)
         user_groups = normalize_param_groups(params_rref)
+        check_arguments(optimizer_class, args, kwargs, user_groups)
         self._init_optimizer_fields()
         self.optimizer_class = optimizer_class
         #: Held around every owner-facing operation: one in flight at a time.
@@ -137,12 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._worker_id: int = me.id
         trainer = (me.name, self._key)
 
-        functional_cls = functional_optim_map.get(optimizer_class)
-        # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
-        jit_enabled = bool(torch.jit._state._enabled)
-        self.is_functional_optim = functional_cls is not None and (
-            jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
-        )
+        self.is_functional_optim = is_functional_optim
 
         # Global numbering: the order given, flattened over the groups.
         by_owner: Dict[str, Tuple[rpc.WorkerInfo, Dict[int, Tuple[list, list]]]] = {}
@@ -473,21 +482,6 @@ def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[in
     (global indices); None when it has none."""
     positions = [[k for k, i in enumerate(indices) if i in wanted] for indices in part.indices]
     return positions if any(positions) else None
-
-
-def _check_optimizer_class(optimizer_class: Any) -> None:
-    if not inspect.isclass(optimizer_class):
-        raise TypeError(
-            f"Invalid optimizer_class: {optimizer_class!r} (expected a torch.optim.Optimizer "
-            f"subclass or a class in functional.functional_optim_map)"
-        )
-    if not issubclass(optimizer_class, torch.optim.Optimizer) and (
-        optimizer_class not in functional_optim_map
-    ):
-        raise TypeError(
-            f"Invalid optimizer_class: {optimizer_class.__qualname__} (expected a "
-            f"torch.optim.Optimizer subclass or a class in functional.functional_optim_map)"
-        )
 
 
 def _release(optimizer_rrefs: List[rpc.RRef]) -> None:

@@ -185,16 +185,27 @@ def run_trainer(
 # ---------------------------------------------------------------- command line
 
 
+#: The torch.optim classes this example trains with: every one but those in ``REFUSED``.
+OPTIMIZERS = (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
+    "RAdam", "ASGD", "Adafactor",
+)
+#: The other torch.optim classes, and why they cannot train this model here.
+REFUSED = {
+    "LBFGS": "its step needs a closure, which DistributedOptimizer.step(context_id) never gives",
+    "SparseAdam": "it takes sparse gradients only, and this model's are dense",
+    "Muon": "it takes 2-D parameters only, and this model has 1-D biases",
+}
+
+
 def optimizer_class(name: str) -> type:
-    """The torch.optim class called ``name``."""
-    cls = getattr(torch.optim, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"Invalid optimizer: {name!r} (expected a torch.optim class name)")
-    if cls is torch.optim.LBFGS:
-        raise ValueError("Invalid optimizer: 'LBFGS' (expected one without a closure)")
-    if cls is torch.optim.SparseAdam:
-        raise ValueError("Invalid optimizer: 'SparseAdam' (expected one for dense gradients)")
-    return cls
+    """The torch.optim class called ``name``, one of ``OPTIMIZERS``."""
+    if name in OPTIMIZERS:
+        return getattr(torch.optim, name)
+    why = REFUSED.get(name, "not a torch.optim optimizer")
+    raise ValueError(
+        f"Invalid optimizer: {name!r} (expected one of {', '.join(OPTIMIZERS)}; {name}: {why})"
+    )
 
 
 def role(name: str, options: argparse.Namespace) -> None:
@@ -211,7 +222,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--trainers", type=int, default=2, help="trainer processes")
     parser.add_argument("--steps", type=int, default=300, help="steps per trainer")
     parser.add_argument(
-        "--optimizer", default="Adam", help="any torch.optim class name (not LBFGS, SparseAdam)"
+        "--optimizer", default="Adam", metavar="NAME",
+        help=f"torch.optim class: {', '.join(OPTIMIZERS)} (not LBFGS: its step needs a "
+        f"closure; not SparseAdam: sparse gradients only; not Muon: 2-D parameters only)",
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step")

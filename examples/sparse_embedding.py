@@ -144,7 +144,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--steps", type=int, default=300, help="training steps")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="SparseAdam")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="SparseAdam",
+                        help="row-sparse optimizer from distopt.sparse")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
     parser.add_argument("--duplicates", choices=("sum", "mean"), default="sum",
                         help="how gradients of a row looked up several times in a step combine")

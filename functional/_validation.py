@@ -4,7 +4,11 @@ Constructors are compiled by TorchScript but only ever executed eagerly, so they
 checks under ``if not torch.jit.is_scripting():``, which the compiler skips: the checks stay
 plain Python and keep ``!r`` formatting, which TorchScript f-strings lack.
 """
-from typing import List, Optional, Sequence, Tuple, Union
+import functools
+import inspect
+import numbers
+import typing
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -179,3 +183,163 @@ def check_length(name: str, value: Sequence[float], length: int) -> None:
     """``value`` must hold exactly ``length`` values."""
     if len(value) != length:
         raise ValueError(f"Invalid {name}: {value!r} (expected {length} values)")
+
+
+# ---------------------------------------------------------------- argument types
+#
+# One check for every constructor: each argument against its annotation, leniently, as
+# torch.optim's arithmetic takes it (an int, a numpy scalar or a Tensor where a float is
+# annotated, an int or None where a bool is, a list where a tuple is); value ranges are the
+# other checks' job. A string where a flag is annotated is refused although torch.optim
+# would read it for its truth: "False" is true, and TorchScript cannot hold it in a bool.
+# Annotations this check does not understand (Any, Iterable, a class of the user's) accept
+# everything.
+
+
+def argument_hints(function: Any) -> Dict[str, Any]:
+    """The annotations of ``function``'s arguments (of ``__init__`` for a class).
+
+    Annotations that cannot be resolved (forward references to unknown names, ``X | Y``
+    before Python 3.10) are left out: they accept every value.
+    """
+    if inspect.isclass(function):
+        function = function.__init__
+    try:
+        return _resolved_hints(function)
+    except TypeError:  # not hashable: resolved again each time
+        return _hints(function)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved_hints(function: Any) -> Dict[str, Any]:
+    return _hints(function)
+
+
+def _hints(function: Any) -> Dict[str, Any]:
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # NameError, TypeError: an annotation that does not evaluate here
+        raw = getattr(function, "__annotations__", None) or {}
+        hints = {k: v for k, v in raw.items() if not isinstance(v, str)}
+    hints.pop("return", None)
+    return hints
+
+
+def check_types(function: Any, arguments: Dict[str, Any]) -> None:
+    """Each of ``arguments`` must be of the kind its annotation in ``function`` names.
+
+    ``self`` and ``params`` are skipped (``check_params`` checks the parameters). Call it
+    with ``locals()`` first thing in a constructor.
+
+    Args:
+        function: a class (its ``__init__`` is read) or a function.
+        arguments: argument name -> value.
+
+    Raises:
+        TypeError: ``Invalid <name>: <value> (expected <kind>)``, e.g. ``Invalid lr: 'fast'
+            (expected a float or Tensor)``.
+    """
+    hints = argument_hints(function)
+    for name, value in arguments.items():
+        if name in ("self", "params") or name not in hints:
+            continue
+        check_type(name, value, hints[name])
+
+
+def check_type(name: str, value: Any, hint: Any) -> None:
+    """``value`` must be of the kind ``hint`` names; a tuple is checked element by element.
+
+    Raises:
+        TypeError: ``Invalid <name>: <value> (expected <kind>)``; ``<name>[i]`` for an element.
+    """
+    if _accepts(hint, value):
+        return
+    args = typing.get_args(hint)
+    if (
+        typing.get_origin(hint) is tuple
+        and _is_sequence(value)
+        and (len(args) == 2 and args[1] is Ellipsis or len(value) == len(args))
+    ):
+        elements = [args[0]] * len(value) if args[-1:] == (Ellipsis,) else list(args)
+        for i, (element, item) in enumerate(zip(elements, value)):
+            check_type(f"{name}[{i}]", item, element)
+    raise TypeError(f"Invalid {name}: {_show(value)} (expected {_article(_kind(hint))})")
+
+
+def _is_union(hint: Any) -> bool:
+    # ``X | Y`` (types.UnionType, Python >= 3.10) and ``Union[X, Y]`` / ``Optional[X]``.
+    return typing.get_origin(hint) is Union or type(hint).__name__ == "UnionType"
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) or isinstance(value, Tensor) and value.dim() == 1
+
+
+def _understood(hint: Any) -> bool:
+    """Whether ``_accepts`` knows ``hint``; any other annotation accepts every value."""
+    if hint in (float, int, bool, str, Tensor, type(None)):
+        return True
+    if _is_union(hint):
+        return all(_understood(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return bool(args) and all(_understood(h) for h in args)
+    return False
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    if not _understood(hint):
+        return True
+    if _is_union(hint):
+        return any(_accepts(h, value) for h in typing.get_args(hint))
+    if hint is float:  # what torch.optim's arithmetic and comparisons take for a float
+        return isinstance(value, (numbers.Real, Tensor))
+    if hint is int:
+        return isinstance(value, numbers.Integral)
+    if hint is bool:  # torch.optim reads a flag for its truth: an int or None will do
+        return value is None or isinstance(value, numbers.Integral)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is Tensor:
+        return isinstance(value, Tensor)
+    if hint is type(None):
+        return value is None
+    args = typing.get_args(hint)  # a tuple
+    if not _is_sequence(value):
+        return False
+    if args[-1:] == (Ellipsis,):
+        return all(_accepts(args[0], item) for item in value)
+    return len(value) == len(args) and all(_accepts(h, item) for h, item in zip(args, value))
+
+
+def _kind(hint: Any) -> str:
+    """``hint`` in words: ``float``, ``bool or None``, ``tuple of 2 floats``..."""
+    if _is_union(hint):
+        return " or ".join(_kind(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if args[-1:] == (Ellipsis,):
+            return f"tuple of {_kind(args[0])}"
+        kinds = [_kind(h) for h in args]
+        if len(set(kinds)) > 1:
+            return f"tuple ({', '.join(kinds)})"
+        if " " in kinds[0]:
+            return f"tuple of {len(kinds)} ({kinds[0]})"
+        return f"tuple of {len(kinds)} {kinds[0]}s"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _article(kind: str) -> str:
+    if kind == "None":
+        return kind
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def _show(value: Any) -> str:
+    """The value for a message: its repr, or a Tensor's kind and shape."""
+    if isinstance(value, Tensor):
+        return f"Tensor of dtype {value.dtype} and shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

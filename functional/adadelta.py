@@ -5,7 +5,13 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_in_range, check_lr, check_params
+from functional._validation import (
+    check_at_least,
+    check_in_range,
+    check_lr,
+    check_params,
+    check_types,
+)
 from functional._common import (
     checked_state,
     meta_like,
@@ -73,6 +79,7 @@ class FunctionalAdadelta:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdadelta)
             check_params(params)
+            check_types(FunctionalAdadelta, locals())
             check_lr(lr)
             check_in_range("rho", rho, 0.0, 1.0, False)
             check_at_least("eps", eps, 0.0)

@@ -11,6 +11,7 @@ from functional._validation import (
     check_lr,
     check_optional_eps_pair,
     check_params,
+    check_types,
 )
 from functional._common import (
     checked_state,
@@ -99,6 +100,7 @@ class FunctionalAdafactor:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdafactor)
             check_params(params)
+            check_types(FunctionalAdafactor, locals())
             check_lr(lr)
             check_at_most("beta2_decay", beta2_decay, 0.0)
             check_optional_eps_pair(eps)

@@ -11,6 +11,7 @@ from functional._validation import (
     check_fused,
     check_lr,
     check_params,
+    check_types,
 )
 from functional._common import (
     checked_state,
@@ -88,6 +89,7 @@ class FunctionalAdagrad:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdagrad)
             check_params(params)
+            check_types(FunctionalAdagrad, locals())
             check_lr(lr)
             check_at_least("lr_decay", lr_decay, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)
@@ -103,7 +105,7 @@ class FunctionalAdagrad:
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.eps = float(eps)
         self.foreach = foreach
-        self.maximize = maximize
+        self.maximize = bool(maximize)  # the fused kernel takes no int or None
         self.differentiable = differentiable
         self.fused = fused
         self.use_fused = use_fused_kernel(foreach, fused)

@@ -19,6 +19,7 @@ from functional._validation import (
     check_lr,
     check_no_tensor_lr_with_foreach,
     check_params,
+    check_types,
 )
 from functional._common import (
     checked_state,
@@ -232,6 +233,7 @@ class FunctionalAdam:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdam)
             check_params(params)
+            check_types(FunctionalAdam, locals())
             check_no_tensor_lr_with_foreach(lr, foreach, capturable)
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
@@ -246,9 +248,9 @@ class FunctionalAdam:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.amsgrad = amsgrad
+        self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
         self.foreach = foreach
-        self.maximize = maximize
+        self.maximize = bool(maximize)
         self.capturable = capturable
         self.differentiable = differentiable
         self.fused = fused
@@ -375,6 +377,7 @@ class FunctionalAdamW:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdamW)
             check_params(params)
+            check_types(FunctionalAdamW, locals())
             check_no_tensor_lr_with_foreach(lr, foreach, capturable)
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
@@ -389,8 +392,8 @@ class FunctionalAdamW:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.amsgrad = amsgrad
-        self.maximize = maximize
+        self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
+        self.maximize = bool(maximize)
         self.foreach = foreach
         self.capturable = capturable
         self.differentiable = differentiable

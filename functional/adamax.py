@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_betas, check_lr, check_params
+from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
     checked_state,
     meta_like,
@@ -73,6 +73,7 @@ class FunctionalAdamax:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdamax)
             check_params(params)
+            check_types(FunctionalAdamax, locals())
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
             check_betas(betas)

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_lr, check_params
+from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
     checked_state,
     meta_like,
@@ -79,6 +79,7 @@ class FunctionalASGD:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalASGD)
             check_params(params)
+            check_types(FunctionalASGD, locals())
             check_lr(lr)
             check_at_least("weight_decay", weight_decay, 0.0)
         self.params = params

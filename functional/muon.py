@@ -14,6 +14,7 @@ from functional._validation import (
     check_lr,
     check_matrix_params,
     check_params,
+    check_types,
 )
 from functional._common import (
     checked_state,
@@ -120,6 +121,7 @@ class FunctionalMuon:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalMuon)
             check_params(params)
+            check_types(FunctionalMuon, locals())
             check_lr(lr)
             check_at_least("momentum", momentum, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)

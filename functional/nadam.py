@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_betas, check_lr, check_params
+from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
     checked_state,
     meta_like,
@@ -86,6 +86,7 @@ class FunctionalNAdam:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalNAdam)
             check_params(params)
+            check_types(FunctionalNAdam, locals())
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
             check_betas(betas)

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_lr, check_params
+from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
     checked_state,
     meta_like,
@@ -82,6 +82,7 @@ class FunctionalRMSprop:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalRMSprop)
             check_params(params)
+            check_types(FunctionalRMSprop, locals())
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
             check_at_least("momentum", momentum, 0.0)

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_etas, check_lr, check_params
+from functional._validation import check_etas, check_lr, check_params, check_types
 from functional._common import (
     checked_state,
     meta_like,
@@ -75,6 +75,7 @@ class FunctionalRprop:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalRprop)
             check_params(params)
+            check_types(FunctionalRprop, locals())
             check_lr(lr)
             check_etas(etas)
         self.params = params

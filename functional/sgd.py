@@ -11,6 +11,7 @@ from functional._validation import (
     check_lr,
     check_nesterov,
     check_params,
+    check_types,
 )
 from functional._common import (
     checked_state,
@@ -81,6 +82,7 @@ class FunctionalSGD:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalSGD)
             check_params(params)
+            check_types(FunctionalSGD, locals())
             check_lr(lr)
             check_at_least("momentum", momentum, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)
@@ -93,8 +95,8 @@ class FunctionalSGD:
         self.momentum = float(momentum)
         self.dampening = float(dampening)
         self.weight_decay = float(weight_decay)
-        self.nesterov = nesterov
-        self.maximize = maximize
+        self.nesterov = bool(nesterov)  # the fused kernel takes no int or None
+        self.maximize = bool(maximize)
         self.foreach = foreach
         self.differentiable = differentiable
         self.fused = fused

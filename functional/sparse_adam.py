@@ -12,6 +12,7 @@ from functional._validation import (
     check_greater,
     check_lr,
     check_params,
+    check_types,
 )
 from functional._common import (
     checked_state,
@@ -73,6 +74,7 @@ class FunctionalSparseAdam:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalSparseAdam)
             check_params(params)
+            check_types(FunctionalSparseAdam, locals())
             check_lr(lr)
             check_greater("lr", lr_float(lr), 0.0)
             check_greater("eps", eps, 0.0)

@@ -58,6 +58,7 @@ from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 import torch
 import torch.distributed.rpc as rpc
 
+from distopt.arguments import check_arguments
 from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
@@ -128,6 +129,7 @@ class _SparseOptimizer(DistributedOptimizer):
     def __init__(self, embeddings: Embeddings, duplicates: str, **kwargs: Any) -> None:
         embeddings, rrefs = _shard_rrefs(embeddings)
         _check_duplicates(duplicates)
+        check_arguments(self._torch_class, (), kwargs)  # kinds first: torch's messages omit names
         _check_with_torch(self._torch_class, kwargs)
         super().__init__(self._torch_class, rrefs, **kwargs)
         #: The tables this optimizer updates, in parameter order.

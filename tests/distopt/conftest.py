@@ -2,7 +2,7 @@
 import dataclasses
 import multiprocessing
 import socket
-from typing import Iterator, List
+from typing import Any, Iterator, List
 
 import pytest
 import torch
@@ -24,6 +24,20 @@ def free_port() -> int:
 def pytest_configure(config: pytest.Config) -> None:
     # init_rpc's own barrier uses a deprecated torch.distributed call.
     config.addinivalue_line("filterwarnings", "ignore:You are using a Backend:UserWarning")
+
+
+@pytest.fixture
+def rpc_calls(monkeypatch) -> List[Any]:
+    """Every rpc_async the trainer makes during the test: (destination, function, args)."""
+    calls: List[Any] = []
+    real = rpc.rpc_async
+
+    def counting(to, func, *args, **kwargs):
+        calls.append((to, func, kwargs.get("args")))
+        return real(to, func, *args, **kwargs)
+
+    monkeypatch.setattr(rpc, "rpc_async", counting)
+    return calls
 
 
 @dataclasses.dataclass

@@ -158,6 +158,16 @@ class PlainSGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+class ClosureSGD(PlainSGD):
+    """PlainSGD whose step, like LBFGS's, cannot run without a closure."""
+
+    @torch.no_grad()
+    def step(self, closure: Any) -> Any:
+        loss = closure()
+        super().step()
+        return loss
+
+
 class FailOnWorker2(PlainSGD):
     """Refuses to be constructed on worker2."""
 

@@ -2,7 +2,7 @@
 import multiprocessing
 import os
 import signal
-from typing import Any, List
+from typing import List
 
 import pytest
 import torch
@@ -13,20 +13,6 @@ from distopt import DistributedOptimizer, DistributedOptimizerError
 from functional import functional_optim_map
 from tests.distopt import remote
 from tests.distopt.conftest import free_port
-
-
-@pytest.fixture
-def rpc_calls(monkeypatch) -> List[Any]:
-    """Every rpc_async the trainer makes during the test, by destination."""
-    calls: List[Any] = []
-    real = rpc.rpc_async
-
-    def counting(to, func, *args, **kwargs):
-        calls.append((to, func))
-        return real(to, func, *args, **kwargs)
-
-    monkeypatch.setattr(rpc, "rpc_async", counting)
-    return calls
 
 
 def ones_on(*owners: str) -> List[rpc.RRef]:

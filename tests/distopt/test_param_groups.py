@@ -1,5 +1,4 @@
 """Param groups as torch.optim's: per-group options, ``param_groups``, changes at the next step."""
-from typing import Any, List
 
 import pytest
 import torch
@@ -64,21 +63,6 @@ def test_groups_match_torch_optim_compiled(world, monkeypatch, case):
 @pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
 def test_groups_match_torch_optim_eager(world, monkeypatch, case):
     run_case(case, monkeypatch, functional=False)
-
-
-@pytest.fixture
-def rpc_calls(monkeypatch) -> List[Any]:
-    calls: List[Any] = []
-    real = rpc.rpc_async
-
-    def counting(to, func, *args, **kwargs):
-        calls.append((to, func, kwargs.get("args")))
-        return real(to, func, *args, **kwargs)
-
-    monkeypatch.setattr(rpc, "rpc_async", counting)
-    return calls
-
-
 
 
 def test_change_costs_no_extra_round(world, rpc_calls):

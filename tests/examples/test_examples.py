@@ -1,11 +1,17 @@
 """Each example runs end to end, as a user would start it, with tiny settings."""
+import importlib.util
 import os
 import re
 import subprocess
 import sys
-from typing import List
+from typing import Any, List
 
 import pytest
+import torch
+from torch import nn
+
+from distopt.arguments import check_optimizer_class
+from functional import functional_optim_map, script_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 120
@@ -90,3 +96,65 @@ def test_bad_optimizer_name_is_rejected() -> None:
     )
     assert proc.returncode == 2
     assert "Invalid optimizer: 'LBFGS'" in proc.stderr
+
+
+# ---------------------------------------------------------------- --optimizer says what is true
+
+
+def _load_example(script: str) -> Any:
+    """``examples/<script>`` imported as a module (its ``main`` is not run)."""
+    examples = os.path.join(ROOT, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)  # for the examples' own ``import _launch``
+    path = os.path.join(examples, script)
+    spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parameters(script: str, module: Any) -> List[torch.Tensor]:
+    """Parameters of the example's model, shaped as the example makes them."""
+    if script == "parameter_server.py":
+        return [p.detach().clone() for p in module.mlp(16, 64, 0).parameters()]
+    parts = [nn.Embedding(30, 32), nn.LSTM(32, 64, 1, batch_first=True), nn.Linear(64, 30)]
+    return [p.detach().clone() for part in parts for p in part.parameters()]
+
+
+TORCH_OPTIMIZERS = {
+    name for name, obj in vars(torch.optim).items()
+    if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
+    and obj is not torch.optim.Optimizer
+}
+
+
+@pytest.mark.parametrize("script", ["parameter_server.py", "model_parallel_rnn.py"])
+def test_optimizer_option_lists_what_trains_and_refuses_the_rest(script: str) -> None:
+    module = _load_example(script)
+    assert set(module.OPTIMIZERS) | set(module.REFUSED) == TORCH_OPTIMIZERS
+    assert not set(module.OPTIMIZERS) & set(module.REFUSED)
+    params = _parameters(script, module)
+    for name in module.OPTIMIZERS:
+        cls = module.optimizer_class(name)
+        # What each owner runs: the compiled stand-in, over the model's parameters.
+        check_optimizer_class(cls, eager=cls not in functional_optim_map)
+        ps = [p.clone() for p in params]
+        optim = script_optimizer(functional_optim_map[cls](ps, lr=0.1))
+        optim.step([torch.ones_like(p) for p in ps])
+        assert all(not torch.equal(p, q) for p, q in zip(ps, params)), name
+    for name, why in module.REFUSED.items():
+        with pytest.raises(ValueError) as info:
+            module.optimizer_class(name)
+        assert str(info.value) == (
+            f"Invalid optimizer: {name!r} (expected one of {', '.join(module.OPTIMIZERS)}; "
+            f"{name}: {why})"
+        )
+    # ... and each refused one indeed cannot train this model.
+    with pytest.raises(TypeError, match="cannot step without 'closure'"):
+        check_optimizer_class(torch.optim.LBFGS, eager=True)
+    with pytest.raises(ValueError, match=r"expected a 2-D parameter"):
+        functional_optim_map[torch.optim.Muon](params)
+    with pytest.raises(torch.jit.Error, match="SparseAdam does not support dense gradients"):
+        optim = script_optimizer(functional_optim_map[torch.optim.SparseAdam](params))
+        optim.step([torch.ones_like(p) for p in params])
+    assert set(module.REFUSED) == {"LBFGS", "Muon", "SparseAdam"}

@@ -1,4 +1,5 @@
 """Bad input: clear errors that name the argument and the value, as torch.optim rejects it."""
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +66,70 @@ INVALID_ARGS = [
 ]
 
 
+# (torch.optim class, arguments of the wrong kind, the argument ours must name, its value):
+# torch.optim refuses each, at construction or at the first step, without naming it.
+WRONG_TYPES = [
+    (O.SGD, {"lr": "fast"}, "lr", "fast"),
+    (O.SGD, {"momentum": None}, "momentum", None),
+    (O.Adam, {"lr": "fast"}, "lr", "fast"),
+    (O.Adam, {"betas": "x"}, "betas", "x"),
+    (O.Adam, {"betas": (0.9, "x")}, "betas[1]", "x"),
+    (O.Adam, {"eps": None}, "eps", None),
+    (O.AdamW, {"lr": "fast"}, "lr", "fast"),
+    (O.AdamW, {"weight_decay": None}, "weight_decay", None),
+    (O.Adagrad, {"lr": "fast"}, "lr", "fast"),
+    (O.Adagrad, {"lr_decay": "x"}, "lr_decay", "x"),
+    (O.Adagrad, {"initial_accumulator_value": None}, "initial_accumulator_value", None),
+    (O.Adadelta, {"lr": "fast"}, "lr", "fast"),
+    (O.Adadelta, {"rho": "x"}, "rho", "x"),
+    (O.Adamax, {"lr": "fast"}, "lr", "fast"),
+    (O.Adamax, {"betas": (0.9,)}, "betas", (0.9,)),
+    (O.RMSprop, {"lr": "fast"}, "lr", "fast"),
+    (O.RMSprop, {"alpha": None}, "alpha", None),
+    (O.RMSprop, {"momentum": "x"}, "momentum", "x"),
+    (O.Rprop, {"lr": "fast"}, "lr", "fast"),
+    (O.Rprop, {"etas": "x"}, "etas", "x"),
+    (O.Rprop, {"step_sizes": (1e-6,)}, "step_sizes", (1e-6,)),
+    (O.NAdam, {"lr": "fast"}, "lr", "fast"),
+    (O.NAdam, {"momentum_decay": "x"}, "momentum_decay", "x"),
+    (O.RAdam, {"lr": "fast"}, "lr", "fast"),
+    (O.RAdam, {"eps": None}, "eps", None),
+    (O.ASGD, {"lr": "fast"}, "lr", "fast"),
+    (O.ASGD, {"t0": "x"}, "t0", "x"),
+    (O.ASGD, {"lambd": None}, "lambd", None),
+    (O.Adafactor, {"lr": "fast"}, "lr", "fast"),
+    (O.Adafactor, {"eps": ("x", 1e-3)}, "eps[0]", "x"),
+    (O.Adafactor, {"d": None}, "d", None),
+    (O.SparseAdam, {"lr": "fast"}, "lr", "fast"),
+    (O.SparseAdam, {"betas": "x"}, "betas", "x"),
+    (O.SparseAdam, {"eps": None}, "eps", None),
+    (O.Muon, {"lr": "fast"}, "lr", "fast"),
+    (O.Muon, {"momentum": None}, "momentum", None),
+    (O.Muon, {"ns_steps": 5.0}, "ns_steps", 5.0),
+]
+
+# Values of another kind than the annotation's that torch.optim takes: ours must take them
+# too, and step as torch.optim does.
+ACCEPTED = [
+    (O.SGD, {"lr": 1, "momentum": 1, "nesterov": 1, "maximize": None}),
+    (O.SGD, {"lr": np.float32(0.5), "weight_decay": torch.tensor(0.1)}),
+    (O.Adam, {"lr": torch.tensor(0.01), "betas": [0.8, 0.9], "amsgrad": 1, "weight_decay": 0}),
+    (O.Adam, {"betas": (torch.tensor(0.8), torch.tensor(0.9)), "foreach": False}),
+    (O.AdamW, {"lr": np.float64(0.01), "eps": 0}),
+    (O.Adagrad, {"lr": 1, "initial_accumulator_value": 1}),
+    (O.Adadelta, {"rho": 0, "foreach": 0}),
+    (O.Adamax, {"betas": [0.5, 0.9]}),
+    (O.RMSprop, {"momentum": 1, "centered": 1}),
+    (O.Rprop, {"etas": [0.5, 2], "step_sizes": (0, 50)}),
+    (O.NAdam, {"momentum_decay": 0, "decoupled_weight_decay": 1}),
+    (O.RAdam, {"lr": torch.tensor(0.01), "weight_decay": 1}),
+    (O.ASGD, {"t0": 1, "lambd": 0}),
+    (O.Adafactor, {"eps": [None, 1e-3], "d": 2}),
+    (O.SparseAdam, {"betas": [0.8, 0.9]}),
+    (O.Muon, {"lr": 1, "ns_steps": True, "ns_coefficients": [3, -4, 2]}),
+]
+
+
 def _params(torch_cls: type):
     return [torch.zeros(3, 2, requires_grad=True)]
 
@@ -102,6 +167,67 @@ def test_every_class_validates_each_argument_row() -> None:
 def _grad_like(torch_cls: type, p: torch.Tensor) -> torch.Tensor:
     g = torch.ones_like(p)
     return g.to_sparse() if torch_cls is O.SparseAdam else g
+
+
+def _torch_refuses(torch_cls: type, kwargs) -> bool:
+    """Whether torch.optim raises at construction or at the first step."""
+    p = torch.zeros(3, 2, requires_grad=True)
+    try:
+        optim = torch_cls([p], **kwargs)
+        p.grad = _grad_like(torch_cls, p.detach())
+        optim.step()
+    except (TypeError, ValueError, IndexError):
+        return True
+    return False
+
+
+def _wrong_type_id(row) -> str:
+    cls, kwargs, _, _ = row
+    return f"{cls.__name__}-" + ",".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+@pytest.mark.parametrize("row", WRONG_TYPES, ids=[_wrong_type_id(r) for r in WRONG_TYPES])
+def test_wrong_type_names_the_argument_and_the_value(row) -> None:
+    torch_cls, kwargs, name, value = row
+    assert _torch_refuses(torch_cls, kwargs)
+    with pytest.raises(TypeError) as info:
+        functional_optim_map[torch_cls](_params(torch_cls), **kwargs)
+    assert str(info.value).startswith(f"Invalid {name}: {value!r} (expected ")
+
+
+def test_every_class_checks_argument_types() -> None:
+    assert {row[0] for row in WRONG_TYPES} == set(functional_optim_map)
+
+
+@pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
+def test_wrong_type_given_positionally_is_named(torch_cls: type) -> None:
+    with pytest.raises(TypeError, match=r"^Invalid lr: 'fast' \(expected a float"):
+        functional_optim_map[torch_cls](_params(torch_cls), "fast")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("row", ACCEPTED, ids=[_case_id((*r, None)) for r in ACCEPTED])
+def test_values_torch_accepts_are_accepted(row, compiled: bool) -> None:
+    torch_cls, kwargs = row
+
+    def copy():  # a Tensor argument each, so that neither optimizer sees the other's
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+    start = torch.randn(3, 2, generator=torch.Generator().manual_seed(0))
+    ours, theirs = start.clone(), start.clone().requires_grad_(True)
+    reference = torch_cls([theirs], **copy())
+    optim = functional_optim_map[torch_cls]([ours], **copy())
+    if compiled:
+        optim = script_optimizer(optim)
+    for step in range(2):
+        grad = torch.randn(3, 2, generator=torch.Generator().manual_seed(1 + step))
+        if torch_cls is O.SparseAdam:
+            grad = grad.to_sparse()
+        theirs.grad = grad
+        reference.step()
+        optim.step([grad])
+    torch.testing.assert_close(ours, theirs.detach())
+    assert not torch.equal(ours, start)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -2,14 +2,17 @@
 
 Besides torch and typing it may use a few standard-library modules that every Python has
 (math in TorchScript-compiled code, threading for the compile lock, copy and inspect for the
-state_dict conversion); anything else, and any of torch.distributed, fails this test.
+state_dict conversion, functools and numbers for the constructors' argument checks); anything
+else, and any of torch.distributed, fails this test.
 """
 import ast
 import pathlib
 
 import functional
 
-ALLOWED_ROOTS = {"torch", "typing", "functional", "math", "threading", "copy", "inspect"}
+ALLOWED_ROOTS = {
+    "torch", "typing", "functional", "math", "threading", "copy", "inspect", "functools", "numbers",
+}
 
 
 def _imports(path: pathlib.Path):

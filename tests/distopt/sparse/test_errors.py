@@ -22,12 +22,17 @@ def emb(world):
         (SparseAdam, {"betas": (1.5, 0.9)}, ValueError, "Invalid beta parameter"),
         (SparseAdagrad, {"eps": -1.0}, ValueError, "Invalid epsilon"),
         (SparseAdam, {"duplicates": "max"}, ValueError, "Invalid duplicates: 'max'"),
+        (SparseAdam, {"lr": "fast"}, TypeError, r"^Invalid lr: 'fast' \(expected a float"),
+        (SparseSGD, {"momentum": None}, TypeError, r"^Invalid momentum: None \(expected a float"),
+        (SparseAdagrad, {"eps": "x"}, TypeError, r"^Invalid eps: 'x' \(expected a float"),
     ],
-    ids=["sgd-wd", "adagrad-wd", "lr", "nesterov", "betas", "eps", "duplicates"],
+    ids=["sgd-wd", "adagrad-wd", "lr", "nesterov", "betas", "eps", "duplicates", "lr-type",
+         "momentum-type", "eps-type"],
 )
-def test_bad_arguments_raise_value_error(emb, cls, kwargs, error, words):
+def test_bad_arguments_are_refused_before_any_owner(emb, rpc_calls, cls, kwargs, error, words):
     with pytest.raises(error, match=words):
         cls([emb], **kwargs)
+    assert rpc_calls == []
 
 
 def test_bad_embeddings(emb):

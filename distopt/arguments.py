@@ -1,0 +1,151 @@
+"""What the trainer checks before it asks any owner to build an optimizer.
+
+torch.optim checks its constructor's arguments when the optimizer is built. A
+DistributedOptimizer builds its local optimizers on the owners, so a mistake found there
+comes back once per owner, and against the class that runs there (a functional stand-in the
+user never named). The class and the arguments are therefore checked on the trainer first,
+against the class the user passed, with the messages its constructor would give: Python's
+for the call's shape (an unknown keyword, too many positional arguments, a keyword given
+twice) and ``Invalid <name>: <value> (expected <kind>)`` for a value of the wrong kind, read
+from the class's annotations. Value ranges (``lr >= 0``...) stay with the owners, which
+name themselves when they refuse.
+"""
+import inspect
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from functional import functional_optim_map
+from functional._validation import argument_hints, check_type
+
+_P = inspect.Parameter
+_POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
+
+
+def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
+    """``optimizer_class`` must be an optimizer class that can step as DistributedOptimizer
+    steps it.
+
+    Args:
+        optimizer_class: what the user passed.
+        eager: whether its own ``step`` will run on the owners (no functional stand-in
+            compiled in its place), with no closure.
+
+    Raises:
+        TypeError: it is not a ``torch.optim.Optimizer`` subclass nor a class in
+            ``functional.functional_optim_map``; or it runs eagerly and its ``step`` needs
+            an argument (LBFGS's closure).
+    """
+    if not inspect.isclass(optimizer_class):
+        raise TypeError(
+            f"Invalid optimizer_class: {optimizer_class!r} (expected a torch.optim.Optimizer "
+            f"subclass or a class in functional.functional_optim_map)"
+        )
+    if not issubclass(optimizer_class, torch.optim.Optimizer) and (
+        optimizer_class not in functional_optim_map
+    ):
+        raise TypeError(
+            f"Invalid optimizer_class: {optimizer_class.__qualname__} (expected a "
+            f"torch.optim.Optimizer subclass or a class in functional.functional_optim_map)"
+        )
+    if eager:
+        _check_steps_without_closure(optimizer_class)
+
+
+def _check_steps_without_closure(optimizer_class: type) -> None:
+    """Every owner calls ``optimizer.step()`` with no argument: ``step`` must allow that."""
+    step = getattr(optimizer_class, "step", None)
+    if step is None:
+        return
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):  # a builtin without a signature: let it try
+        return
+    params = list(signature.parameters.values())
+    if params and params[0].kind in _POSITIONAL and not isinstance(
+        inspect.getattr_static(optimizer_class, "step", None), staticmethod
+    ):
+        params = params[1:]  # self
+    required = [
+        p.name for p in params
+        if p.default is _P.empty and p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)
+    ]
+    if required:
+        name = optimizer_class.__name__
+        needs = ", ".join(repr(r) for r in required)
+        raise TypeError(
+            f"Invalid optimizer_class: {name} cannot step without {needs} "
+            f"({name}.step{signature}), and DistributedOptimizer.step(context_id) calls "
+            f"step() with no closure on every owner (expected an optimizer whose step needs "
+            f"no closure: any torch.optim class but LBFGS, or one whose closure defaults to "
+            f"None)"
+        )
+
+
+def check_arguments(
+    optimizer_class: type,
+    args: tuple,
+    kwargs: Dict[str, Any],
+    groups: Optional[List[Dict[str, Any]]] = None,
+) -> None:
+    """The constructor's arguments, as ``optimizer_class(params, *args, **kwargs)`` takes them.
+
+    Args:
+        optimizer_class: the class the user passed.
+        args: positional arguments after the parameters.
+        kwargs: keyword arguments.
+        groups: param group dicts; their options named in the signature are checked too.
+
+    Raises:
+        TypeError: as Python's call would (``Adam.__init__() got an unexpected keyword
+            argument 'bogus'``, ``... takes from 2 to 7 positional arguments but 9 were
+            given``, ``... got multiple values for argument 'lr'``), or a value of the wrong
+            kind for its annotation (``Invalid lr: 'fast' (expected a float or Tensor)``).
+    """
+    init = optimizer_class.__init__
+    try:
+        signature = inspect.signature(init)
+    except (TypeError, ValueError):  # no signature to check against: the owners will tell
+        return
+    bound = _bind(f"{optimizer_class.__name__}.__init__()", signature, args, kwargs)
+    hints = argument_hints(init)
+    params = list(signature.parameters.values())
+    skipped = {p.name for p in params[:2] if p.kind in _POSITIONAL}  # self, params
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if name in skipped or kind is _P.VAR_POSITIONAL:
+            continue
+        values = value if kind is _P.VAR_KEYWORD else {name: value}
+        for key, item in values.items():
+            if key in hints:
+                check_type(key, item, hints[key])
+    named = {p.name for p in params if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
+    for g, group in enumerate(groups or []):
+        for key, value in group.items():
+            if key in named and key not in skipped and key in hints:
+                check_type(f"params_rref[{g}][{key!r}]", value, hints[key])
+
+
+def _bind(
+    where: str, signature: inspect.Signature, args: tuple, kwargs: Dict[str, Any]
+) -> inspect.BoundArguments:
+    """``signature`` bound to (self, params, *args, **kwargs), or Python's TypeError."""
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    given = 2 + len(args)  # self and the parameters, as Python counts them
+    if given > len(positional) and not any(p.kind is _P.VAR_POSITIONAL for p in params):
+        low = sum(1 for p in positional if p.default is _P.empty)
+        takes = f"{low}" if low == len(positional) else f"from {low} to {len(positional)}"
+        raise TypeError(f"{where} takes {takes} positional arguments but {given} were given")
+    by_name = {p.name: p for p in params if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
+    var_keyword = any(p.kind is _P.VAR_KEYWORD for p in params)
+    taken = {p.name for p in positional[:given]}
+    for key in kwargs:
+        if key in taken:
+            raise TypeError(f"{where} got multiple values for argument {key!r}")
+        if key not in by_name and not var_keyword:
+            raise TypeError(f"{where} got an unexpected keyword argument {key!r}")
+    try:
+        return signature.bind(None, None, *args, **kwargs)
+    except TypeError as exc:  # what is left: a missing argument, a positional-only keyword
+        raise TypeError(f"{where} {exc}") from None
