@@ -303,17 +303,24 @@ def meta_like(p: Tensor) -> Tensor:
     return torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=torch.device("meta"))
 
 
-def state_indices(params: List[Tensor], state: Dict[int, Dict[str, Tensor]]) -> List[int]:
-    """The parameter indices ``state`` has entries for; ValueError for one out of range."""
-    indices: List[int] = []
+def meta_params(
+    params: List[Tensor], state: Dict[int, Dict[str, Tensor]]
+) -> List[Tuple[int, Tensor]]:
+    """``(i, meta_like(params[i]))`` for each parameter ``state`` has an entry for: what a
+    class's state helper turns into the templates ``checked_state`` compares with.
+
+    Raises:
+        ValueError: an entry for an index out of range.
+    """
+    out: List[Tuple[int, Tensor]] = []
     for i in state.keys():
         if i < 0 or i >= len(params):
             raise ValueError(
                 f"Invalid state: an entry for parameter {i} (expected indices 0..{len(params) - 1}"
                 f" for {len(params)} parameters)"
             )
-        indices.append(i)
-    return indices
+        out.append((i, meta_like(params[i])))
+    return out
 
 
 def checked_state(

@@ -139,7 +139,9 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     optim.set_state(state)
 
 
-def functional_state(obj: Any, torch_state: Dict[Any, Dict[str, Any]]) -> Dict[int, Dict[str, Tensor]]:
+def functional_state(
+    obj: Any, torch_state: Dict[Any, Dict[str, Any]]
+) -> Dict[int, Dict[str, Tensor]]:
     """torch.optim state entries as a functional optimizer keeps them: copies, ``step`` as a
     float32 tensor, other floating-point tensors cast to their parameter's dtype and device
     (torch.optim's load_state_dict casts the same way)."""
@@ -162,7 +164,9 @@ def functional_state(obj: Any, torch_state: Dict[Any, Dict[str, Any]]) -> Dict[i
     return state
 
 
-def checked_state(optim: Any, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
+def checked_state(
+    optim: Any, state: Dict[int, Dict[str, Tensor]]
+) -> Dict[int, Dict[str, Tensor]]:
     """``optim.check_state(state)`` (nothing changes), with a compiled optimizer's error
     raised as the ValueError it is; a registered class without ``check_state`` is not checked.
 

@@ -14,8 +14,7 @@ from functional._validation import (
 )
 from functional._common import (
     checked_state,
-    meta_like,
-    state_indices,
+    meta_params,
     increment_steps,
     check_gradients,
     new_step,
@@ -120,16 +119,9 @@ class FunctionalAdadelta:
             )
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
-        """``state`` checked against fresh-state templates (``checked_state``), changing
-        nothing; returns it as ``set_state`` keeps it (laid out as the parameters).
-
-        Raises:
-            ValueError: a missing key, or a tensor of the wrong shape, dtype or device.
-        """
-        templates: Dict[int, Dict[str, Tensor]] = {}
-        for i in state_indices(self.params, state):
-            templates[i] = self._new_state(meta_like(self.params[i]))
-        return checked_state(self.params, state, templates)
+        """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
+        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
+        return checked_state(self.params, state, fresh)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
