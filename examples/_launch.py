@@ -94,3 +94,27 @@ def _run_rank(
         role(names[rank], options)
     finally:
         rpc.shutdown()
+
+
+#: The torch.optim classes the dense examples (parameter_server, model_parallel_rnn) train
+#: with: every one but those in ``REFUSED``.
+OPTIMIZERS = (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
+    "RAdam", "ASGD", "Adafactor",
+)
+#: The other torch.optim classes, and why they cannot train these models.
+REFUSED = {
+    "LBFGS": "its step needs a closure, which DistributedOptimizer.step(context_id) never gives",
+    "SparseAdam": "it takes sparse gradients only, and these models' are dense",
+    "Muon": "it takes 2-D parameters only, and these models have 1-D biases",
+}
+
+
+def optimizer_class(name: str) -> type:
+    """The torch.optim class called ``name``, one of ``OPTIMIZERS``."""
+    if name in OPTIMIZERS:
+        return getattr(torch.optim, name)
+    why = REFUSED.get(name, "not a torch.optim optimizer")
+    raise ValueError(
+        f"Invalid optimizer: {name!r} (expected one of {', '.join(OPTIMIZERS)}; {name}: {why})"
+    )

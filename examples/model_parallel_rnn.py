@@ -261,29 +261,6 @@ def load_checkpoint(
 # ---------------------------------------------------------------- training
 
 
-#: The torch.optim classes this example trains with: every one but those in ``REFUSED``.
-OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
-    "RAdam", "ASGD", "Adafactor",
-)
-#: The other torch.optim classes, and why they cannot train this model here.
-REFUSED = {
-    "LBFGS": "its step needs a closure, which DistributedOptimizer.step(context_id) never gives",
-    "SparseAdam": "it takes sparse gradients only, and this model's are dense",
-    "Muon": "it takes 2-D parameters only, and this model has 1-D biases",
-}
-
-
-def optimizer_class(name: str) -> type:
-    """The torch.optim class called ``name``, one of ``OPTIMIZERS``."""
-    if name in OPTIMIZERS:
-        return getattr(torch.optim, name)
-    why = REFUSED.get(name, "not a torch.optim optimizer")
-    raise ValueError(
-        f"Invalid optimizer: {name!r} (expected one of {', '.join(OPTIMIZERS)}; {name}: {why})"
-    )
-
-
 def held_out_loss(model: SplitLanguageModel, corpus: CharCorpus) -> float:
     """Mean next-character loss on the held-out end of the text (one stream, no training)."""
     ids = corpus.held_out
@@ -320,7 +297,7 @@ def train(options: argparse.Namespace) -> None:
         corpus.vocab_size, options.embedding_dim, options.hidden, options.layers, options.seed
     )
     opt = distopt.DistributedOptimizer(
-        optimizer_class(options.optimizer), model.parameter_rrefs(), lr=options.lr
+        _launch.optimizer_class(options.optimizer), model.parameter_rrefs(), lr=options.lr
     )
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
     if options.schedule == "cosine":
@@ -418,7 +395,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-3, help="learning rate")
     parser.add_argument(
         "--optimizer", default="Adam", metavar="NAME",
-        help=f"torch.optim class: {', '.join(OPTIMIZERS)} (not LBFGS: its step needs a "
+        help=f"torch.optim class: {', '.join(_launch.OPTIMIZERS)} (not LBFGS: its step needs a "
         f"closure; not SparseAdam: sparse gradients only; not Muon: 2-D parameters only)",
     )
     parser.add_argument("--hidden", type=int, default=256, help="LSTM state size")
@@ -452,7 +429,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if getattr(options, name) < 1:
             parser.error(f"Invalid --{name.replace('_', '-')}: {getattr(options, name)!r} (expected >= 1)")
     try:
-        optimizer_class(options.optimizer)
+        _launch.optimizer_class(options.optimizer)
     except ValueError as exc:
         parser.error(str(exc))
     return options

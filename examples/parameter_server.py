@@ -157,7 +157,7 @@ def run_trainer(
     rank = int(name[len("trainer") :])
     gen = torch.Generator().manual_seed(options.seed + rank)
     opt = distopt.DistributedOptimizer(
-        optimizer_class(options.optimizer), param_rrefs, lr=options.lr
+        _launch.optimizer_class(options.optimizer), param_rrefs, lr=options.lr
     )
     losses: List[float] = []
     start = time.perf_counter()
@@ -185,29 +185,6 @@ def run_trainer(
 # ---------------------------------------------------------------- command line
 
 
-#: The torch.optim classes this example trains with: every one but those in ``REFUSED``.
-OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
-    "RAdam", "ASGD", "Adafactor",
-)
-#: The other torch.optim classes, and why they cannot train this model here.
-REFUSED = {
-    "LBFGS": "its step needs a closure, which DistributedOptimizer.step(context_id) never gives",
-    "SparseAdam": "it takes sparse gradients only, and this model's are dense",
-    "Muon": "it takes 2-D parameters only, and this model has 1-D biases",
-}
-
-
-def optimizer_class(name: str) -> type:
-    """The torch.optim class called ``name``, one of ``OPTIMIZERS``."""
-    if name in OPTIMIZERS:
-        return getattr(torch.optim, name)
-    why = REFUSED.get(name, "not a torch.optim optimizer")
-    raise ValueError(
-        f"Invalid optimizer: {name!r} (expected one of {', '.join(OPTIMIZERS)}; {name}: {why})"
-    )
-
-
 def role(name: str, options: argparse.Namespace) -> None:
     """The server drives everything; trainers run what it sends them."""
     if name == "ps":
@@ -223,7 +200,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300, help="steps per trainer")
     parser.add_argument(
         "--optimizer", default="Adam", metavar="NAME",
-        help=f"torch.optim class: {', '.join(OPTIMIZERS)} (not LBFGS: its step needs a "
+        help=f"torch.optim class: {', '.join(_launch.OPTIMIZERS)} (not LBFGS: its step needs a "
         f"closure; not SparseAdam: sparse gradients only; not Muon: 2-D parameters only)",
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
@@ -239,7 +216,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 f"Invalid --{name.replace('_', '-')}: {getattr(options, name)!r} (expected >= 1)"
             )
     try:
-        optimizer_class(options.optimizer)
+        _launch.optimizer_class(options.optimizer)
     except ValueError as exc:
         parser.error(str(exc))
     return options

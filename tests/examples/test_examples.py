@@ -131,9 +131,10 @@ TORCH_OPTIMIZERS = {
 @pytest.mark.parametrize("script", ["parameter_server.py", "model_parallel_rnn.py"])
 def test_optimizer_option_lists_what_trains_and_refuses_the_rest(script: str) -> None:
     module = _load_example(script)
+    params = _parameters(script, module)
+    module = module._launch  # the list both dense examples share
     assert set(module.OPTIMIZERS) | set(module.REFUSED) == TORCH_OPTIMIZERS
     assert not set(module.OPTIMIZERS) & set(module.REFUSED)
-    params = _parameters(script, module)
     for name in module.OPTIMIZERS:
         cls = module.optimizer_class(name)
         # What each owner runs: the compiled stand-in, over the model's parameters.
