@@ -466,7 +466,7 @@ class LocalOptimizer:
             view = _GroupView(self.module, j)
             part = {k: state[i] for k, i in enumerate(indices) if i in state}
             try:
-                checked_state(view, functional_state(view, part))
+                checked_state(view, functional_state(view, part, copy=False))
             except ValueError as exc:
                 raise ValueError(_global_indices(str(exc), indices)) from None
 

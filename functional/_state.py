@@ -140,11 +140,12 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
 
 
 def functional_state(
-    obj: Any, torch_state: Dict[Any, Dict[str, Any]]
+    obj: Any, torch_state: Dict[Any, Dict[str, Any]], copy: bool = True
 ) -> Dict[int, Dict[str, Tensor]]:
-    """torch.optim state entries as a functional optimizer keeps them: copies, ``step`` as a
-    float32 tensor, other floating-point tensors cast to their parameter's dtype and device
-    (torch.optim's load_state_dict casts the same way)."""
+    """torch.optim state entries as a functional optimizer keeps them: ``step`` as a float32
+    tensor, other floating-point tensors cast to their parameter's dtype and device
+    (torch.optim's load_state_dict casts the same way); copies, unless ``copy`` is False (to
+    check a state without a second one in memory)."""
     state: Dict[int, Dict[str, Tensor]] = {}
     for i, entry in torch_state.items():
         p = obj.params[int(i)]
@@ -155,10 +156,12 @@ def functional_state(
                     f"Invalid state[{i}][{k!r}]: a tensor on the meta device, which holds no "
                     f"values (expected one on {p.device} or the CPU)"
                 )
+        if copy:
+            entry = {k: v.detach().clone() for k, v in entry.items()}
         state[int(i)] = {
-            k: (v.detach().clone().to(torch.float32) if k == "step" else
-                v.detach().clone().to(device=p.device, dtype=p.dtype) if v.is_floating_point() else
-                v.detach().clone())
+            k: (v.detach().to(torch.float32) if k == "step" else
+                v.detach().to(device=p.device, dtype=p.dtype) if v.is_floating_point() else
+                v.detach())
             for k, v in entry.items()
         }
     return state
