@@ -19,6 +19,7 @@ from torch import Tensor
 from distopt.errors import DistributedOptimizerError, returns_failure
 from distopt.fanout import fan_out
 from distopt.param_groups import same, snapshot
+from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter
 
 if TYPE_CHECKING:
     from distopt.optimizer import DistributedOptimizer
@@ -91,8 +92,14 @@ def check_groups(
                 f"Invalid {what}: param_groups[{g}] holds {len(saved['params'])} parameters "
                 f"(expected {len(indices)})"
             )
+        for key in opt._hyper_keys:
+            if key in saved and not same(saved[key], opt._sent[g][key]):
+                where = f"{what}: param_groups[{g}]"
+                check_hyperparameter(opt.optimizer_class, key, saved[key], where)
         if opt._settable is not None:
             for key in opt._hyper_keys:
+                if key in IMPLEMENTATION_KEYS:
+                    continue
                 if key not in opt._settable and not same(saved[key], opt._sent[g][key]):
                     raise ValueError(
                         f"Invalid {what}: param_groups[{g}][{key!r}] is {saved[key]!r} "
@@ -228,11 +235,15 @@ def _discard(opt: "DistributedOptimizer", action: str, token: str) -> None:
 
 
 def adopt_groups(opt: "DistributedOptimizer", hyper: List[Dict[str, Any]]) -> None:
-    """Make the trainer's groups the loaded ones (in place, so schedulers keep them)."""
+    """Make the trainer's groups the loaded ones (in place, so schedulers keep them); a
+    compiled optimizer keeps its own kernel choices (``IMPLEMENTATION_KEYS``)."""
     for g, (group, values) in enumerate(zip(opt.param_groups, hyper)):
         params = group["params"]
+        kept = {k: group[k] for k in IMPLEMENTATION_KEYS if k in group}
         group.clear()
         group.update(values)
+        if opt._settable is not None:
+            group.update(kept)
         group["params"] = params
         opt._sent[g] = {k: snapshot(group[k]) for k in opt._hyper_keys if k in group}
 

@@ -175,6 +175,14 @@ def lr_tensor(lr: Union[float, Tensor]) -> Optional[Tensor]:
     return None
 
 
+def optional_flag(value: Optional[bool]) -> Optional[bool]:
+    """A ``foreach`` / ``fused`` flag as a Python bool or None, whatever torch.optim would read
+    for its truth (a numpy bool, an int): TorchScript keeps only a bool."""
+    if value is None:
+        return None
+    return bool(value)
+
+
 def use_fused_kernel(foreach: Optional[bool], fused: Optional[bool]) -> bool:
     """Whether a class with a fused kernel uses it: yes unless fused=False or foreach=True."""
     if fused is not None and not fused:
@@ -327,13 +335,16 @@ def checked_state(
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
     templates: Dict[int, Dict[str, Tensor]],
+    sparse_keys: Optional[List[str]] = None,
 ) -> Dict[int, Dict[str, Tensor]]:
     """``state`` checked against fresh-state ``templates``; the state to keep.
 
     Every key of a parameter's template must be there with the template's shape and dtype,
     on the parameter's device (or the template's, for ``step`` on the CPU); a key the
-    template lacks must be 0-dim or shaped like the parameter (state of an option switched
-    off, such as RMSprop's ``momentum_buffer``). Nothing is kept unless everything passes,
+    template lacks must be shaped like the parameter, with its dtype and device (state of an
+    option switched off, such as Adam's ``max_exp_avg_sq`` without amsgrad). Tensors are
+    dense, but for the keys in ``sparse_keys`` (SGD's momentum for sparse gradients, which
+    torch.optim keeps sparse), whose indices must lie inside the parameter. Nothing is kept unless everything passes,
     so a bad state leaves the optimizer as it was, and the kernels never see a buffer of the
     wrong size. Tensors laid out unlike the template (a contiguous ``exp_avg`` for a
     transposed parameter) are copied into the template's layout, which the fused kernels
@@ -354,10 +365,11 @@ def checked_state(
                     f"got {sorted(entry.keys())})"
                 )
         for key, value in entry.items():
+            expected = meta_like(p)
             if key in template:
-                _check_state_tensor(i, key, value, template[key], p)
-            elif value.dim() != 0:
-                _check_state_tensor(i, key, value, meta_like(p), p)
+                expected = template[key]
+            sparse_ok = sparse_keys is not None and key in sparse_keys
+            _check_state_tensor(i, key, value, expected, p, sparse_ok)
     kept: Dict[int, Dict[str, Tensor]] = {}
     for i, template in templates.items():
         entry = state[i]
@@ -380,12 +392,26 @@ def checked_state(
     return kept
 
 
-def _check_state_tensor(i: int, key: str, value: Tensor, expected: Tensor, param: Tensor) -> None:
+def _check_state_tensor(
+    i: int, key: str, value: Tensor, expected: Tensor, param: Tensor, sparse_ok: bool
+) -> None:
     """One state tensor against its template: shape, dtype and device (the parameter's, where
     the template is on the meta device). A 0-dim entry (``step``, ``mu_product``) may be any
     floating dtype on the CPU or the parameter's device, as torch.optim's load_state_dict
-    leaves it; a sparse entry is SGD's momentum for sparse gradients, as torch.optim keeps it.
+    leaves it; a sparse one only where ``sparse_ok``, with every index inside its shape (the
+    kernels trust them: one outside writes outside the parameter).
     """
+    if value.is_sparse:
+        if not sparse_ok:
+            raise ValueError(
+                f"Invalid state[{i}]['{key}']: a sparse tensor (expected a dense one, as "
+                f"this class keeps it)"
+            )
+        _check_sparse_indices(i, key, value)
+    elif value.layout != torch.strided:
+        raise ValueError(
+            f"Invalid state[{i}]['{key}']: layout {value.layout} (expected a dense tensor)"
+        )
     if value.shape != expected.shape:
         raise ValueError(
             f"Invalid state[{i}]['{key}']: shape {list(value.shape)} (expected "
@@ -416,3 +442,31 @@ def _check_state_tensor(i: int, key: str, value: Tensor, expected: Tensor, param
             f"Invalid state[{i}]['{key}']: device {value.device} (expected {device}, the device "
             f"of params[{i}])"
         )
+
+
+def _check_sparse_indices(i: int, key: str, value: Tensor) -> None:
+    """A sparse COO state tensor's indices must lie inside its shape (torch does not check
+    them unless asked, and a step would write where they point)."""
+    indices = value._indices()
+    values = value._values()
+    dense_shape = list(value.shape)[value.sparse_dim():]
+    if (
+        indices.size(0) != value.sparse_dim()
+        or values.size(0) != indices.size(1)
+        or list(values.shape)[1:] != dense_shape
+    ):
+        raise ValueError(
+            f"Invalid state[{i}]['{key}']: indices of shape {list(indices.shape)} for values of "
+            f"shape {list(values.shape)} (expected {value.sparse_dim()} rows, one column per "
+            f"value)"
+        )
+    if indices.numel() == 0:
+        return
+    for d in range(value.sparse_dim()):
+        low = int(indices[d].min().item())
+        high = int(indices[d].max().item())
+        if low < 0 or high >= value.size(d):
+            raise ValueError(
+                f"Invalid state[{i}]['{key}']: index {high if low >= 0 else low} in dimension "
+                f"{d} (expected 0..{value.size(d) - 1})"
+            )

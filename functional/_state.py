@@ -12,7 +12,12 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
+from functional._validation import argument_hints, check_type
+
 _NOT_GROUP_KEYS = ("self", "params")
+#: Group keys that choose kernels, not the numbers: a state_dict's values are not adopted
+#: (a torch.optim state_dict saved with foreach=False loads into a fused optimizer).
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 #: torch.optim classes whose ``step`` state is a Python int rather than a 0-dim tensor.
 _INT_STEP_CLASSES = ("SparseAdam",)
 
@@ -105,9 +110,11 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
 def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any]) -> None:
     """Load a torch.optim-format state_dict into ``optim`` (eager or scripted).
 
-    Everything is checked before anything changes, the state by the optimizer's own
-    ``check_state`` (keys, shapes, dtypes, devices). Hyper-parameters that can change between
-    steps (lr, betas, ...) are taken from the state_dict; the others must already agree.
+    Everything is checked before anything changes: the hyper-parameters' kinds against
+    ``torch_cls``'s constructor, the state by the optimizer's own ``check_state`` (keys,
+    shapes, dtypes, devices). Hyper-parameters that can change between steps (lr, betas, ...)
+    are taken from the state_dict; ``IMPLEMENTATION_KEYS`` (foreach, fused, ...) keep this
+    optimizer's values; the others must already agree.
 
     Raises:
         ValueError: the state_dict is for another class, another parameter count or shapes,
@@ -120,6 +127,8 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     changes: Dict[str, List[float]] = {}
     settable: Optional[List[str]] = None
     for key in group_keys(torch_cls):
+        if key in IMPLEMENTATION_KEYS:
+            continue
         new, old = group[key], getattr(obj, key)
         if key == "lr" and isinstance(new, Tensor):
             new = float(new.item())
@@ -132,6 +141,7 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
                 f"Invalid state_dict: {key}={new!r} differs from this optimizer's {old!r} "
                 f"and cannot change after construction"
             )
+        check_hyperparameter(torch_cls, key, new, "state_dict")
         changes[key] = hyperparameter_values(key, new)
     state = checked_state(optim, functional_state(obj, state_dict["state"]))
     for key, value in changes.items():
@@ -192,6 +202,25 @@ def script_error_message(exc: BaseException) -> str:
     if last.startswith("builtins."):
         last = last.split(": ", 1)[-1]
     return last
+
+
+def check_hyperparameter(torch_cls: type, key: str, value: Any, what: str) -> None:
+    """A hyper-parameter a state_dict brings must be of the kind ``torch_cls``'s constructor
+    takes (a pair for betas, a number for lr, ...), checked before anything changes.
+
+    Raises:
+        ValueError: ``Invalid <what>: <key> <value> (expected ...)``.
+    """
+    hint = argument_hints(torch_cls).get(key)
+    if hint is None:
+        return
+    try:
+        check_type(key, value, hint)
+    except TypeError as exc:
+        message = str(exc)
+        if message.startswith("Invalid "):
+            message = message[len("Invalid "):]
+        raise ValueError(f"Invalid {what}: {message}") from None
 
 
 def _to_torch_value(torch_cls: type, key: str, value: Tensor, clone: bool = True) -> Any:

@@ -100,7 +100,7 @@ def check_no_tensor_lr_with_foreach(
     """A Tensor lr cannot go with ``foreach=True`` and ``capturable=False`` (torch.optim.Adam)."""
     if isinstance(lr, Tensor) and foreach and not capturable:
         raise ValueError(
-            f"Invalid lr: Tensor with foreach=True, capturable=False (expected a float lr, "
+            "Invalid lr: Tensor with foreach=True, capturable=False (expected a float lr, "
             f"or foreach=False, or capturable=True)"
         )
 
@@ -272,7 +272,20 @@ def _is_union(hint: Any) -> bool:
 
 
 def _is_sequence(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) or isinstance(value, Tensor) and value.dim() == 1
+    if isinstance(value, (tuple, list)):
+        return True
+    return (isinstance(value, Tensor) or _numpy_array(value)) and value.ndim == 1
+
+
+def _numpy_array(value: Any) -> bool:
+    """A numpy array or scalar, known without importing numpy (functional does not)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and hasattr(value, "ndim")
+
+
+def _numpy_scalar(value: Any, kinds: str) -> bool:
+    """A numpy scalar or 0-dim array whose dtype kind is one of ``kinds`` ("f" float, "i"
+    signed, "u" unsigned, "b" bool), as torch.optim computes with one."""
+    return _numpy_array(value) and value.ndim == 0 and value.dtype.kind in kinds
 
 
 def _understood(hint: Any) -> bool:
@@ -293,11 +306,14 @@ def _accepts(hint: Any, value: Any) -> bool:
     if _is_union(hint):
         return any(_accepts(h, value) for h in typing.get_args(hint))
     if hint is float:  # what torch.optim's arithmetic and comparisons take for a float
-        return isinstance(value, (numbers.Real, Tensor))
+        return isinstance(value, (numbers.Real, Tensor)) or _numpy_scalar(value, "fiub")
     if hint is int:
-        return isinstance(value, numbers.Integral)
+        return isinstance(value, numbers.Integral) or _numpy_scalar(value, "iub")
     if hint is bool:  # torch.optim reads a flag for its truth: an int or None will do
-        return value is None or isinstance(value, numbers.Integral)
+        return (
+            value is None or isinstance(value, numbers.Integral) or _numpy_scalar(value, "iub")
+            or isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point()
+        )
     if hint is str:
         return isinstance(value, str)
     if hint is Tensor:

@@ -13,6 +13,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     increment_steps,
@@ -89,10 +90,10 @@ class FunctionalAdadelta:
         self.rho = float(rho)
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.foreach = foreach
-        self.capturable = capturable
-        self.maximize = maximize
-        self.differentiable = differentiable
+        self.foreach = optional_flag(foreach)
+        self.capturable = bool(capturable)
+        self.maximize = bool(maximize)
+        self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()

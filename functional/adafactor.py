@@ -14,6 +14,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     increment_steps,
@@ -112,8 +113,8 @@ class FunctionalAdafactor:
         self.eps: Tuple[Optional[float], float] = (eps[0], float(eps[1]))
         self.d = float(d)
         self.weight_decay = float(weight_decay)
-        self.foreach = foreach
-        self.maximize = maximize
+        self.foreach = optional_flag(foreach)
+        self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()

@@ -14,6 +14,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     copy_back,
@@ -103,10 +104,10 @@ class FunctionalAdagrad:
         self.weight_decay = float(weight_decay)
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.eps = float(eps)
-        self.foreach = foreach
+        self.foreach = optional_flag(foreach)
         self.maximize = bool(maximize)  # the fused kernel takes no int or None
-        self.differentiable = differentiable
-        self.fused = fused
+        self.differentiable = bool(differentiable)
+        self.fused = optional_flag(fused)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)

@@ -22,6 +22,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     copy_back,
@@ -248,12 +249,12 @@ class FunctionalAdam:
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
-        self.foreach = foreach
+        self.foreach = optional_flag(foreach)
         self.maximize = bool(maximize)
-        self.capturable = capturable
-        self.differentiable = differentiable
-        self.fused = fused
-        self.decoupled_weight_decay = decoupled_weight_decay
+        self.capturable = bool(capturable)
+        self.differentiable = bool(differentiable)
+        self.fused = optional_flag(fused)
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
@@ -386,10 +387,10 @@ class FunctionalAdamW:
         self.weight_decay = float(weight_decay)
         self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
         self.maximize = bool(maximize)
-        self.foreach = foreach
-        self.capturable = capturable
-        self.differentiable = differentiable
-        self.fused = fused
+        self.foreach = optional_flag(foreach)
+        self.capturable = bool(capturable)
+        self.differentiable = bool(differentiable)
+        self.fused = optional_flag(fused)
         # torch.optim.AdamW keeps this in its param groups too (always True).
         self.decoupled_weight_decay = True
         self.use_fused = use_fused_kernel(foreach, fused)

@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     increment_steps,
@@ -88,10 +89,10 @@ class FunctionalASGD:
         self.alpha = float(alpha)
         self.t0 = float(t0)
         self.weight_decay = float(weight_decay)
-        self.foreach = foreach
-        self.maximize = maximize
-        self.differentiable = differentiable
-        self.capturable = capturable
+        self.foreach = optional_flag(foreach)
+        self.maximize = bool(maximize)
+        self.differentiable = bool(differentiable)
+        self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()

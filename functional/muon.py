@@ -132,7 +132,7 @@ class FunctionalMuon:
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.momentum = float(momentum)
-        self.nesterov = nesterov
+        self.nesterov = bool(nesterov)
         self.ns_coefficients = (
             float(ns_coefficients[0]),
             float(ns_coefficients[1]),

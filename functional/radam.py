@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     increment_steps,
@@ -97,11 +98,11 @@ class FunctionalRAdam:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.decoupled_weight_decay = decoupled_weight_decay
-        self.foreach = foreach
-        self.maximize = maximize
-        self.capturable = capturable
-        self.differentiable = differentiable
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
+        self.foreach = optional_flag(foreach)
+        self.maximize = bool(maximize)
+        self.capturable = bool(capturable)
+        self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()

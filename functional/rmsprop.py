@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     increment_steps,
@@ -94,11 +95,11 @@ class FunctionalRMSprop:
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.momentum = float(momentum)
-        self.centered = centered
-        self.capturable = capturable
-        self.foreach = foreach
-        self.maximize = maximize
-        self.differentiable = differentiable
+        self.centered = bool(centered)
+        self.capturable = bool(capturable)
+        self.foreach = optional_flag(foreach)
+        self.maximize = bool(maximize)
+        self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()
@@ -196,7 +197,8 @@ class FunctionalRMSprop:
 
     def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
         """The state every parameter has (also the template ``set_state`` checks against);
-        ``_init_state`` adds the momentum buffer and gradient average as the options ask."""
+        ``_init_state`` adds the momentum buffer and gradient average as the options ask, so a
+        state without them is complete (one with them must have them shaped like ``p``)."""
         return {"step": new_step(), "square_avg": fresh_zeros_like(p)}
 
     def _foreach_update(

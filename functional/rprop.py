@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_etas, check_lr, check_params, check_types
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     increment_steps,
@@ -82,10 +83,10 @@ class FunctionalRprop:
         self.lr_tensor = lr_tensor(lr)
         self.etas = (float(etas[0]), float(etas[1]))
         self.step_sizes = (float(step_sizes[0]), float(step_sizes[1]))
-        self.capturable = capturable
-        self.foreach = foreach
-        self.maximize = maximize
-        self.differentiable = differentiable
+        self.capturable = bool(capturable)
+        self.foreach = optional_flag(foreach)
+        self.maximize = bool(maximize)
+        self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()

@@ -14,6 +14,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    optional_flag,
     checked_state,
     meta_params,
     copy_back,
@@ -96,9 +97,9 @@ class FunctionalSGD:
         self.weight_decay = float(weight_decay)
         self.nesterov = bool(nesterov)  # the fused kernel takes no int or None
         self.maximize = bool(maximize)
-        self.foreach = foreach
-        self.differentiable = differentiable
-        self.fused = fused
+        self.foreach = optional_flag(foreach)
+        self.differentiable = bool(differentiable)
+        self.fused = optional_flag(fused)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
@@ -128,7 +129,8 @@ class FunctionalSGD:
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
         fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        # torch.optim keeps a sparse gradient's momentum buffer sparse.
+        return checked_state(self.params, state, fresh, ["momentum_buffer"])
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""

@@ -84,7 +84,7 @@ class FunctionalSparseAdam:
         self.lr_tensor = lr_tensor(lr)
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
-        self.maximize = maximize
+        self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
         self.live = no_lists()

@@ -93,6 +93,8 @@ def mutate(sd: Dict[str, Any], how: str) -> Dict[str, Any]:
         sd["state"][99] = sd["state"][min(sd["state"])]
     elif how == "keys":
         del sd["state"]
+    elif how == "kind":
+        sd["param_groups"][1]["betas"] = 0.9
     return sd
 
 
@@ -106,6 +108,7 @@ def mutate(sd: Dict[str, Any], how: str) -> Dict[str, Any]:
         ("fixed", r"param_groups\[0\]\['amsgrad'\] is False \(expected True: the compiled Adam"),
         ("unknown-id", r"state for parameter 99"),
         ("keys", r"keys \['param_groups'\]"),
+        ("kind", r"Invalid state_dict: param_groups\[1\]: betas: 0\.9 \(expected a tuple of 2"),
     ],
 )
 def test_mismatch_raises_before_any_owner_changes(world, monkeypatch, how, match):
@@ -127,6 +130,21 @@ def test_mismatch_raises_before_any_owner_changes(world, monkeypatch, how, match
     assert calls == []
     monkeypatch.undo()
     harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("saved", [{"foreach": True}, {"foreach": False}], ids=["foreach", "loop"])
+def test_a_state_dict_saved_with_other_kernels_loads(world, saved):
+    """foreach / fused choose kernels, not numbers: torch.optim's state_dict saved with either
+    loads, the owners keep their compiled kernels, and the steps continue equal to torch's."""
+    rrefs, local = harness.make_params()
+    cls, defaults, opts0, opts1 = CASES[0]
+    dist_opt = DistributedOptimizer(cls, harness.grouped(rrefs, [opts0, opts1]), **defaults)
+    ref = cls(harness.grouped(local, [opts0, opts1]), **defaults, **saved)
+    harness.train(dist_opt, ref, rrefs, local, 2)
+    dist_opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert all(g["foreach"] is None for g in dist_opt.param_groups)
+    harness.train(dist_opt, ref, rrefs, local, 2, first_step=2)
+    harness.assert_params_equal(rrefs, local, "after loading a foreach state_dict")
 
 
 def test_state_dict_takes_one_rpc_per_owner(world, monkeypatch):

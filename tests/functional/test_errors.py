@@ -127,6 +127,14 @@ ACCEPTED = [
     (O.Adafactor, {"eps": [None, 1e-3], "d": 2}),
     (O.SparseAdam, {"betas": [0.8, 0.9]}),
     (O.Muon, {"lr": 1, "ns_steps": True, "ns_coefficients": [3, -4, 2]}),
+    # numpy scalars and arrays, and 1-element tensors for flags, as read from a config
+    (O.Adam, {"lr": np.float64(0.01), "betas": np.array([0.8, 0.9]), "amsgrad": np.bool_(True),
+              "maximize": np.bool_(False), "foreach": np.bool_(False)}),
+    (O.Adam, {"lr": np.float64(0.01), "fused": np.bool_(True)}),
+    (O.Adam, {"amsgrad": torch.tensor(True)}),
+    (O.SGD, {"lr": np.float32(0.1), "momentum": np.float64(0.9), "nesterov": np.bool_(True)}),
+    (O.Adagrad, {"lr": np.float64(0.1), "fused": np.bool_(True)}),
+    (O.RMSprop, {"centered": np.bool_(True), "momentum": np.float32(0.5)}),
 ]
 
 

@@ -78,6 +78,19 @@ def _stray_buffer(entry, param) -> str:
     return r"Invalid state\[\d+\]\['stray'\]: shape \[11\] \(expected \[.*\] for params"
 
 
+def _sparse_buffer(entry, param) -> str:
+    key = next(k for k, v in entry.items() if v.dim() > 0)
+    entry[key] = entry[key].to_sparse()
+    return rf"Invalid state\[\d+\]\['{key}'\]: a sparse tensor \(expected a dense one"
+
+
+def _extra_scalar(entry, param) -> str:
+    # An int 0-dim tensor under a key the class does not keep (RMSprop's momentum_buffer with
+    # momentum=0 was let through when 0-dim); only a buffer shaped like the parameter may be.
+    entry["stray"] = torch.tensor(3)
+    return r"Invalid state\[\d+\]\['stray'\]: shape \[\] \(expected \[.*\] for params"
+
+
 #: Classes whose state is one buffer and no step (without it, an entry is "no state yet",
 #: as in torch.optim): neither a missing key nor a bad step can be made for them.
 ONE_KEY = (torch.optim.SGD, torch.optim.Muon)
@@ -88,7 +101,11 @@ CORRUPTIONS = {
     "wrong-device": _wrong_device,
     "step-not-a-scalar": _step_not_a_scalar,
     "stray-buffer": _stray_buffer,
+    "sparse-buffer": _sparse_buffer,
+    "extra-scalar": _extra_scalar,
 }
+#: SGD keeps its momentum sparse for sparse gradients, as torch.optim does (checked below).
+SPARSE_STATE = (torch.optim.SGD,)
 
 
 def _trained(case: Case, compiled: bool):
@@ -138,7 +155,8 @@ def _raises(compiled: bool, pattern: str):
 
 def _table(hows):
     rows = [(c, h) for c in CLASS_CASES for h in hows
-            if not (c.torch_cls in ONE_KEY and h in ("missing-key", "step-not-a-scalar"))]
+            if not (c.torch_cls in ONE_KEY and h in ("missing-key", "step-not-a-scalar"))
+            and not (c.torch_cls in SPARSE_STATE and h == "sparse-buffer")]
     return pytest.mark.parametrize(
         "case, how", rows, ids=[f"{c.torch_cls.__name__}-{h}" for c, h in rows])
 
@@ -211,3 +229,77 @@ def test_a_wrong_sized_buffer_no_longer_reaches_the_fused_kernel() -> None:
         opt.set_state(state)
     opt.step([torch.ones(1 << 22)])
     assert opt.get_state()[0]["exp_avg"].shape == (1 << 22,)
+
+
+def _sgd_sparse(compiled: bool):
+    case = next(c for c in ALL_CASES if c.torch_cls is torch.optim.SGD and c.sparse
+                and c.kwargs.get("momentum", 0) > 0)
+    return case, _trained(case, compiled)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sparse_momentum_is_kept_and_its_indices_checked(compiled: bool) -> None:
+    """SGD's sparse momentum (torch.optim's own form for sparse gradients) loads; one whose
+    indices point outside the parameter, which a step would write through, is refused."""
+    case, (opt, params) = _sgd_sparse(compiled)
+    good = {i: dict(e) for i, e in _state(opt, compiled).items()}
+    assert all(e["momentum_buffer"].is_sparse for e in good.values())
+    opt.set_state(good)
+    before = _snapshot(_state(opt, compiled))
+    last = max(good)
+    buf = good[last]["momentum_buffer"].coalesce().clone()
+    buf._indices()[0, -1] = case.shapes[last][0] + 6
+    bad = {i: dict(e) for i, e in good.items()}
+    bad[last]["momentum_buffer"] = buf
+    pattern = (rf"Invalid state\[{last}\]\['momentum_buffer'\]: index {case.shapes[last][0] + 6} "
+               rf"in dimension 0 \(expected 0\.\.{case.shapes[last][0] - 1}\)")
+    with _raises(compiled, pattern):
+        opt.set_state(bad)
+    _assert_same(_state(opt, compiled), before)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_hyperparameter_of_the_wrong_kind_is_refused_on_load(compiled: bool) -> None:
+    """A state_dict whose betas is one number (torch.optim would fail at the next step) is
+    refused by name before the state or any other hyper-parameter changes."""
+    case = next(c for c in CLASS_CASES if c.torch_cls is torch.optim.Adam)
+    opt, params = _trained(case, compiled)
+    before = _snapshot(_state(opt, compiled))
+    sd = copy.deepcopy(to_torch_state_dict(opt, case.torch_cls))
+    sd["param_groups"][0]["lr"] = 0.5
+    sd["param_groups"][0]["betas"] = 0.9
+    with pytest.raises(ValueError, match=r"Invalid state_dict: betas: 0\.9 \(expected a tuple of 2"):
+        load_torch_state_dict(opt, case.torch_cls, sd)
+    _assert_same(_state(opt, compiled), before)
+    assert to_torch_state_dict(opt, case.torch_cls)["param_groups"][0]["lr"] == case.kwargs["lr"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("saved", [{"foreach": True}, {"foreach": False}, {"fused": True}],
+                         ids=["foreach", "for-loop", "fused"])
+def test_a_state_dict_saved_with_other_kernels_loads(saved, compiled: bool) -> None:
+    """foreach / fused choose kernels, not numbers: a torch.optim state_dict saved with any of
+    them loads into our (fused by default) Adam, which keeps its own kernels and steps on
+    equal to the torch.optim that saved it."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
+    theirs = [s.clone().requires_grad_() for s in start]
+    reference = torch.optim.Adam(theirs, lr=0.01, **saved)
+    grads = [[torch.randn(s.shape, generator=gen) for s in start] for _ in range(4)]
+    for step in range(2):
+        for t, g in zip(theirs, grads[step]):
+            t.grad = g.clone()
+        reference.step()
+    ours = [t.detach().clone() for t in theirs]
+    optim = FunctionalAdam(ours, lr=0.3)
+    opt = script_optimizer(optim) if compiled else optim
+    load_torch_state_dict(opt, torch.optim.Adam, reference.state_dict())
+    after = to_torch_state_dict(opt, torch.optim.Adam)["param_groups"][0]
+    assert (after["lr"], after["foreach"], after["fused"]) == (0.01, None, None)
+    for step in range(2, 4):
+        for t, g in zip(theirs, grads[step]):
+            t.grad = g.clone()
+        reference.step()
+        opt.step([g.clone() for g in grads[step]])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b.detach())
