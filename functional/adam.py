@@ -1,8 +1,8 @@
 """Adam and AdamW (Adam with decoupled weight decay), as torch.optim.Adam and torch.optim.AdamW.
 
-The math lives in the module-level functions, shared by both classes; what the two classes
-still repeat (constructor body, setters, the few lines of ``step``) is there because
-TorchScript classes cannot inherit.
+``adam_update`` is the kernel layer (fused or foreach); ``FunctionalAdam`` the thin class
+around it. ``FunctionalAdamW`` builds a ``FunctionalAdam`` with decoupled weight decay and
+AdamW's defaults, as torch.optim.AdamW is Adam with ``decoupled_weight_decay=True``.
 """
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -22,81 +22,43 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    copy_back,
-    fit_fused_layouts,
-    increment_steps,
-    check_gradients,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    new_step,
-    no_lists,
     one_gradient,
+    optional_flag,
     pair,
     scalar,
     unknown_hyperparameter,
     use_fused_kernel,
 )
+from functional._kernels import (
+    check_spec_state,
+    copy_back,
+    decayed,
+    fit_fused_layouts,
+    gather,
+    increment_steps,
+    no_operands,
+    numbers,
+    release,
+    signed,
+    step_values,
+)
 
-def adam_state(param: Tensor, amsgrad: bool) -> Dict[str, Tensor]:
-    """A parameter's fresh Adam state: torch.optim's keys, ``max_exp_avg_sq`` only with amsgrad."""
-    # TorchScript limit: once inlined into a step, identical zeros_like(param) calls are
-    # merged into one tensor (common-subexpression elimination), so that exp_avg and
-    # exp_avg_sq would alias; each buffer is made from the previous one instead.
-    exp_avg = torch.zeros_like(param, memory_format=torch.preserve_format)
-    exp_avg_sq = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
-    state = {"step": new_step(), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+def adam_keys(amsgrad: bool) -> List[str]:
+    """Adam's state keys, in torch.optim's order (``max_exp_avg_sq`` only with amsgrad)."""
     if amsgrad:
-        state["max_exp_avg_sq"] = torch.zeros_like(exp_avg_sq, memory_format=torch.preserve_format)
-    return state
-
-
-def adam_lists(
-    params: List[Tensor],
-    state: Dict[int, Dict[str, Tensor]],
-    group: List[int],
-    gradients: List[Optional[Tensor]],
-    amsgrad: bool,
-) -> List[List[Tensor]]:
-    """The kernels' operands for one group: params, grads, exp_avgs, exp_avg_sqs,
-    max_exp_avg_sqs (empty without amsgrad) and steps of the parameters with a gradient.
-
-    A parameter's state is created (``adam_state``) the first time it has a gradient; one
-    pass over the group does both.
-    """
-    p_list: List[Tensor] = []
-    g_list: List[Tensor] = []
-    m_list: List[Tensor] = []
-    v_list: List[Tensor] = []
-    vmax_list: List[Tensor] = []
-    s_list: List[Tensor] = []
-    for i in group:
-        g = gradients[i]
-        if g is not None:
-            if g.is_sparse:
-                raise RuntimeError(
-                    "Adam does not support sparse gradients, please consider SparseAdam instead"
-                )
-            if i not in state:
-                state[i] = adam_state(params[i], amsgrad)
-            entry = state[i]
-            p_list.append(params[i])
-            g_list.append(g)
-            m_list.append(entry["exp_avg"])
-            v_list.append(entry["exp_avg_sq"])
-            if amsgrad:
-                vmax_list.append(entry["max_exp_avg_sq"])
-            s_list.append(entry["step"])
-    return [p_list, g_list, m_list, v_list, vmax_list, s_list]
+        return ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+    return ["step", "exp_avg", "exp_avg_sq"]
 
 
 def adam_update(
-    lists: List[List[Tensor]],
+    ops: List[List[Tensor]],
+    fit: bool,
     lr: float,
     beta1: float,
     beta2: float,
@@ -107,14 +69,14 @@ def adam_update(
     decoupled_weight_decay: bool,
     fused: bool,
 ) -> None:
-    """One Adam step over the operands from ``adam_lists``, on the fused or foreach kernels."""
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = (
-        lists[0], lists[1], lists[2], lists[3], lists[4], lists[5]
-    )
+    """One Adam step over ``gather``'s operands ``[params, grads, steps, exp_avgs,
+    exp_avg_sqs, (max_exp_avg_sqs)]``, on the fused kernel or on foreach ops."""
+    params, grads, steps, exp_avgs, exp_avg_sqs = ops[0], ops[1], ops[2], ops[3], ops[4]
+    max_exp_avg_sqs = ops[5] if amsgrad else torch.jit.annotate(List[Tensor], [])
     if len(params) == 0:
         return
     if fused:
-        staged = fit_fused_layouts(params, grads)
+        staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
         # The fused kernels read the already incremented step, as torch.optim arranges.
         increment_steps(steps)
         if decoupled_weight_decay:
@@ -131,24 +93,15 @@ def adam_update(
             )
         copy_back(staged)
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
+    grads = signed(grads, maximize)
     increment_steps(steps)
-    if weight_decay != 0.0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = decayed(params, grads, weight_decay, lr, decoupled_weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-    step_sizes: List[Union[int, float, complex]] = []
-    bias_correction2_sqrts: List[Union[int, float, complex]] = []
-    for s in steps:
-        t = float(s.item())
-        step_sizes.append(-(lr / (1.0 - beta1 ** t)))
-        bias_correction2_sqrts.append((1.0 - beta2 ** t) ** 0.5)
+    ts = step_values(steps)
+    step_sizes = numbers([-(lr / (1.0 - beta1 ** t)) for t in ts])
+    bias_correction2_sqrts = numbers([(1.0 - beta2 ** t) ** 0.5 for t in ts])
     if amsgrad:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         denom = torch._foreach_sqrt(max_exp_avg_sqs)
@@ -157,19 +110,6 @@ def adam_update(
     torch._foreach_div_(denom, bias_correction2_sqrts)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
-
-
-def adam_set_hyperparameter(
-    cls_name: str, name: str, value: List[float]
-) -> Tuple[float, float]:
-    """Validate a hyper-parameter change for Adam or AdamW; the new value(s) as a pair."""
-    if name == "betas":
-        betas = pair(name, value)
-        return (betas[0], betas[1])
-    if name == "lr" or name == "eps" or name == "weight_decay":
-        v = scalar(name, value)
-        return (v, v)
-    raise ValueError(unknown_hyperparameter(cls_name, name, ["lr", "betas", "eps", "weight_decay"]))
 
 
 class FunctionalAdam:
@@ -256,32 +196,39 @@ class FunctionalAdam:
         self.fused = optional_flag(fused)
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.use_fused = use_fused_kernel(foreach, fused)
+        self.name = "Adam"  # "AdamW" when built by FunctionalAdamW
+        self.keys = adam_keys(self.amsgrad)
+        self.fills = [0.0 for _ in self.keys]
+        self.scalars = [k == "step" for k in self.keys]
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
 
         Values are lists so that every class shares the signature (betas take two).
         """
-        new = adam_set_hyperparameter("Adam", name, value)
         if name == "lr":
-            self.lr = new[0]
+            self.lr = scalar(name, value)
             lr_tensor = self.lr_tensor
             if lr_tensor is not None:
                 lr_tensor.fill_(self.lr)
         elif name == "betas":
-            self.betas = new
+            betas = pair(name, value)
+            self.betas = (betas[0], betas[1])
         elif name == "eps":
-            self.eps = new[0]
+            self.eps = scalar(name, value)
+        elif name == "weight_decay":
+            self.weight_decay = scalar(name, value)
         else:
-            self.weight_decay = new[0]
+            raise ValueError(
+                unknown_hyperparameter(self.name, name, ["lr", "betas", "eps", "weight_decay"])
+            )
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: adam_state(p, self.amsgrad) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -289,8 +236,7 @@ class FunctionalAdam:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -302,152 +248,54 @@ class FunctionalAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                lists = adam_lists(self.params, self.state, group, gradients, self.amsgrad)
-                self.live = lists
+            fits = gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense",
+                "Adam does not support sparse gradients, please consider SparseAdam instead",
+                self.use_fused,
+            )
+            for g in range(len(fits)):
                 adam_update(
-                    lists, lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
-                    self.amsgrad, self.maximize, self.decoupled_weight_decay, self.use_fused,
+                    self.live[g], fits[g], lr, self.betas[0], self.betas[1], self.eps,
+                    self.weight_decay, self.amsgrad, self.maximize,
+                    self.decoupled_weight_decay, self.use_fused,
                 )
-            self.live = no_lists()
+            release(self.live)
 
 
-class FunctionalAdamW:
-    r"""AdamW: Adam with weight decay applied to the parameters, not the gradient.
+def FunctionalAdamW(
+    params: List[Tensor],
+    lr: Union[float, Tensor] = 1e-3,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: Optional[bool] = None,
+) -> FunctionalAdam:
+    r"""AdamW: a :class:`FunctionalAdam` with weight decay applied to the parameters.
 
     Same arguments, defaults (``weight_decay=0.01``), state and results as
-    :class:`torch.optim.AdamW`; the update is :class:`FunctionalAdam`'s with
-    ``decoupled_weight_decay=True``:
+    :class:`torch.optim.AdamW`, which is torch.optim.Adam with ``decoupled_weight_decay=True``;
+    so is this (a function, not a class: TorchScript classes cannot inherit):
 
     .. math::
-        \theta_{t-1} &\leftarrow (1 - \gamma \lambda) \theta_{t-1} \\
-        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t \\
-        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2
-            \quad (\hat v_t = \max(\hat v_{t-1}, v_t) \text{ with amsgrad, else } v_t) \\
-        \theta_t &= \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \,
-            \frac{m_t}{\sqrt{\hat v_t / (1 - \beta_2^t)} + \epsilon}
+        \theta_{t-1} \leftarrow (1 - \gamma \lambda) \theta_{t-1}, \text{ then Adam's update}
 
     Runs on ``torch._fused_adamw_``; ``fused=False`` or ``foreach=True`` selects the
-    foreach kernels.
-
-    Args:
-        params: the parameters to update, in the order gradients will be given.
-        lr: learning rate (a float or a 1-element Tensor).
-        betas: coefficients of the running averages of the gradient and its square.
-        eps: term added to the denominator for numerical stability.
-        weight_decay: decoupled weight decay coefficient.
-        amsgrad: use the maximum of past squared-gradient averages (AMSGrad).
-        maximize: maximize the objective instead of minimizing it.
-        foreach: ``True`` selects the foreach kernels.
-        capturable: accepted for compatibility; state always lives where torch.optim keeps
-            it without CUDA graphs.
-        differentiable: accepted for compatibility; steps never record autograd history.
-        fused: ``False`` selects the foreach kernels; otherwise the fused kernel is used.
-
-    Raises:
-        ValueError: for a negative lr, eps or weight_decay, a beta outside [0, 1), or a
-            Tensor lr or betas with ``foreach=True`` and ``capturable=False``.
-        RuntimeError: for ``fused=True`` with ``foreach=True`` or ``differentiable=True``.
+    foreach kernels. Arguments and errors are :class:`FunctionalAdam`'s.
     """
-
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: Union[float, Tensor] = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        foreach: Optional[bool] = None,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: Optional[bool] = None,
-    ) -> None:
-        if not torch.jit.is_scripting():
-            ensure_scripted(FunctionalAdamW)
-            check_params(params)
-            check_types(FunctionalAdamW, locals())
-            check_no_tensor_lr_with_foreach(lr, foreach, capturable)
-            check_lr(lr)
-            check_at_least("eps", eps, 0.0)
-            check_betas(betas)
-            check_at_least("weight_decay", weight_decay, 0.0)
-            check_betas_kind(betas, foreach, capturable)
-            check_fused_differentiable(fused, differentiable)
-            check_flags("AdamW", foreach, fused)
-        self.params = params
-        self.lr = lr_float(lr)
-        self.lr_tensor = lr_tensor(lr)
-        self.betas = (float(betas[0]), float(betas[1]))
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
-        self.maximize = bool(maximize)
-        self.foreach = optional_flag(foreach)
-        self.capturable = bool(capturable)
-        self.differentiable = bool(differentiable)
-        self.fused = optional_flag(fused)
-        # torch.optim.AdamW keeps this in its param groups too (always True).
-        self.decoupled_weight_decay = True
-        self.use_fused = use_fused_kernel(foreach, fused)
-        self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
-
-    def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
-
-        Values are lists so that every class shares the signature (betas take two).
-        """
-        new = adam_set_hyperparameter("AdamW", name, value)
-        if name == "lr":
-            self.lr = new[0]
-            lr_tensor = self.lr_tensor
-            if lr_tensor is not None:
-                lr_tensor.fill_(self.lr)
-        elif name == "betas":
-            self.betas = new
-        elif name == "eps":
-            self.eps = new[0]
-        else:
-            self.weight_decay = new[0]
-
-    def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
-        """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: adam_state(p, self.amsgrad) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
-
-    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
-        self.state = self.check_state(state)
-
-    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
-        """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
-
-    def step(self, gradients: List[Optional[Tensor]]) -> None:
-        """Update every parameter whose gradient is not None.
-
-        Args:
-            gradients: one gradient (or None to skip that parameter) per parameter.
-
-        Raises:
-            ValueError: if the list's length, or a gradient's shape or dtype, does not match.
-            RuntimeError: for a sparse gradient.
-        """
-        check_gradients(self.params, gradients)
-        lr = lr_of(self.lr, self.lr_tensor)
-        with torch.no_grad():
-            for group in self.groups:
-                lists = adam_lists(self.params, self.state, group, gradients, self.amsgrad)
-                self.live = lists
-                adam_update(
-                    lists, lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
-                    self.amsgrad, self.maximize, True, self.use_fused,
-                )
-            self.live = no_lists()
+    if not torch.jit.is_scripting():
+        check_types(FunctionalAdamW, locals())
+        check_flags("AdamW", foreach, fused)
+    optim = FunctionalAdam(
+        params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
+        differentiable, fused, True,
+    )
+    optim.name = "AdamW"
+    return optim
