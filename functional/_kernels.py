@@ -54,6 +54,15 @@ def check_spec_state(
     return checked_state(params, state, fresh)
 
 
+def check_length(params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
+    """One gradient (or None) per parameter, or ValueError."""
+    if len(gradients) != len(params):
+        raise ValueError(
+            f"Invalid gradients: {len(gradients)} gradients for {len(params)} parameters "
+            f"(expected one gradient or None per parameter)"
+        )
+
+
 def gather(
     live: List[List[List[Tensor]]],
     params: List[Tensor],
@@ -87,11 +96,7 @@ def gather(
             class does not take. In either case the state made in this pass is removed
             again, so nothing has changed.
     """
-    if len(gradients) != len(params):
-        raise ValueError(
-            f"Invalid gradients: {len(gradients)} gradients for {len(params)} parameters "
-            f"(expected one gradient or None per parameter)"
-        )
+    check_length(params, gradients)
     live.clear()
     fits: List[bool] = []
     created: List[int] = []
@@ -112,7 +117,7 @@ def gather(
                     if g.is_sparse and kinds == "both" and g.is_same_size(p) and g.dtype == p.dtype:
                         into = sparse_ops
                     else:
-                        _refuse(state, created, i, g, p, refusal)
+                        refuse(state, created, i, g, p, refusal)
                         into = ops
                 else:
                     into = ops
@@ -147,10 +152,11 @@ def new_operands(n: int) -> List[List[Tensor]]:
     return [torch.jit.annotate(List[Tensor], []) for _ in range(n + 2)]
 
 
-def _refuse(
+def refuse(
     state: Dict[int, Dict[str, Tensor]], created: List[int], i: int, g: Tensor, p: Tensor, refusal: str
 ) -> None:
-    """Undo this pass's new state, then raise the error that gradient ``i`` deserves."""
+    """Undo a gathering pass's new state (``created``), then raise the error that gradient
+    ``i`` deserves: its shape, its dtype, or else ``RuntimeError(refusal)`` for its kind."""
     for j in created:
         del state[j]
     if g.shape != p.shape:

@@ -14,21 +14,26 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    optional_flag,
     checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    new_step,
-    no_lists,
+    meta_params,
     one_gradient,
+    optional_flag,
     scalar,
     unknown_hyperparameter,
+)
+from functional._kernels import (
+    check_length,
+    increment_steps,
+    new_operands,
+    no_operands,
+    refuse,
+    release,
+    signed,
 )
 
 
@@ -41,6 +46,132 @@ def machine_epsilon(dtype: torch.dtype) -> float:
     if dtype == torch.bfloat16:
         return 0.0078125
     return 1.1920928955078125e-07
+
+
+def adafactor_state(p: Tensor) -> Dict[str, Tensor]:
+    """A fresh state entry for ``p`` (also the template ``check_state`` compares with):
+    factored row and column variances for matrices, a full one otherwise."""
+    step = torch.full((), 0.0, dtype=torch.float32, device=p.device)
+    if p.dim() > 1:
+        row_shape = list(p.shape)
+        row_shape[-1] = 1
+        col_shape = list(p.shape)
+        col_shape[-2] = 1
+        return {"step": step, "row_var": p.new_zeros(row_shape), "col_var": p.new_zeros(col_shape)}
+    return {"step": step, "variance": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def adafactor_gather(
+    live: List[List[List[Tensor]]],
+    params: List[Tensor],
+    state: Dict[int, Dict[str, Tensor]],
+    groups: List[List[int]],
+    gradients: List[Optional[Tensor]],
+) -> None:
+    """``_kernels.gather`` for Adafactor, whose state depends on a parameter's shape: per
+    group, the operand sets ``[params, grads, steps, row_vars, col_vars]`` of matrices and
+    ``[params, grads, steps, variances, variances]`` of the rest, into ``live``."""
+    check_length(params, gradients)
+    live.clear()
+    created: List[int] = []
+    for group in groups:
+        mat = new_operands(3)
+        vec = new_operands(3)
+        for i in group:
+            g = gradients[i]
+            if g is not None:
+                p = params[i]
+                if not g.is_same_size(p) or g.dtype != p.dtype or g.is_sparse or p.is_complex():
+                    if p.is_complex():
+                        for j in created:
+                            del state[j]
+                        raise RuntimeError("Adafactor does not support complex parameters")
+                    refuse(state, created, i, g, p, "Adafactor does not support sparse gradients")
+                if i not in state:
+                    state[i] = adafactor_state(p)
+                    created.append(i)
+                entry = state[i]
+                if g.dim() > 1:
+                    mat[0].append(p)
+                    mat[1].append(g)
+                    mat[2].append(entry["step"])
+                    mat[3].append(entry["row_var"])
+                    mat[4].append(entry["col_var"])
+                else:
+                    vec[0].append(p)
+                    vec[1].append(g)
+                    vec[2].append(entry["step"])
+                    vec[3].append(entry["variance"])
+                    vec[4].append(entry["variance"])
+        live.append(mat)
+        live.append(vec)
+
+
+def adafactor_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    eps1: float,
+    eps2: float,
+    beta2_decay: float,
+    d: float,
+    weight_decay: float,
+    maximize: bool,
+    factored: bool,
+) -> None:
+    """One Adafactor step over ``adafactor_gather``'s operands ``[params, grads, steps,
+    first, second]``: row_var/col_var when ``factored``, else the variance twice."""
+    params, grads, steps, first, second = ops[0], ops[1], ops[2], ops[3], ops[4]
+    if len(params) == 0:
+        return
+    grads = signed(grads, maximize)
+    increment_steps(steps)
+    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+    decays: List[Union[int, float, complex]] = []
+    alphas: List[float] = []
+    for j in range(len(params)):
+        t = float(steps[j].item())
+        decays.append(t ** beta2_decay)
+        rho = min(lr, 1.0 / (t ** 0.5))
+        p = params[j]
+        rms = float(torch.linalg.vector_norm(p, 2.0).item()) / (p.numel() ** 0.5)
+        alphas.append(max(eps2, rms) * rho)
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    if factored:
+        row_sizes: List[Union[int, float, complex]] = [g.size(-1) for g in grads]
+        col_sizes: List[Union[int, float, complex]] = [g.size(-2) for g in grads]
+        row_means = [torch.linalg.vector_norm(g, 2.0, [-1], True) for g in grads]
+        torch._foreach_mul_(row_means, row_means)
+        torch._foreach_div_(row_means, row_sizes)
+        torch._foreach_lerp_(first, row_means, decays)
+        col_means = [torch.linalg.vector_norm(g, 2.0, [-2], True) for g in grads]
+        torch._foreach_mul_(col_means, col_means)
+        torch._foreach_div_(col_means, col_sizes)
+        torch._foreach_lerp_(second, col_means, decays)
+        estimates = [torch.matmul(first[j], second[j]) for j in range(len(params))]
+        row_var_means = [r.mean(dim=-2, keepdim=True) for r in first]
+        torch._foreach_clamp_min_(row_var_means, eps1)
+        torch._foreach_div_(estimates, row_var_means)
+    else:
+        squares = torch._foreach_mul(grads, grads)
+        torch._foreach_lerp_(first, squares, decays)
+        estimates = [v.clone() for v in first]
+    torch._foreach_clamp_min_(estimates, eps1 * eps1)
+    torch._foreach_rsqrt_(estimates)
+    torch._foreach_mul_(estimates, grads)
+    scales: List[Union[int, float, complex]] = []
+    for j in range(len(params)):
+        u = estimates[j]
+        u_rms = float(torch.linalg.vector_norm(u, 2.0).item()) / ((u.numel() ** 0.5) * d)
+        scales.append(-alphas[j] / max(1.0, u_rms))
+    if len(params) <= 16:
+        # A few (<= 16) tensors: one pass each (param += scale * update) beats the foreach
+        # pair (scale the updates, then add), which reads and writes every update twice.
+        for j in range(len(params)):
+            params[j].add_(estimates[j], alpha=scales[j])
+    else:
+        torch._foreach_mul_(estimates, scales)
+        torch._foreach_add_(params, estimates)
 
 
 class FunctionalAdafactor:
@@ -117,7 +248,7 @@ class FunctionalAdafactor:
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, beta2_decay, eps, d, weight_decay).
@@ -152,7 +283,7 @@ class FunctionalAdafactor:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
+        fresh = {i: adafactor_state(p) for i, p in meta_params(self.params, state)}
         return checked_state(self.params, state, fresh)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
@@ -161,8 +292,7 @@ class FunctionalAdafactor:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -174,66 +304,16 @@ class FunctionalAdafactor:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient or a complex parameter (as torch.optim).
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
-        eps1 = self._epsilon1(gradients)
         with torch.no_grad():
-            for group in self.groups:
-                # Factored (>= 2 dims) and unfactored parameters take different kernels.
-                mat_p: List[Tensor] = []
-                mat_g: List[Tensor] = []
-                mat_r: List[Tensor] = []
-                mat_c: List[Tensor] = []
-                mat_s: List[Tensor] = []
-                vec_p: List[Tensor] = []
-                vec_g: List[Tensor] = []
-                vec_v: List[Tensor] = []
-                vec_s: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        p = self.params[i]
-                        if p.is_complex():
-                            raise RuntimeError("Adafactor does not support complex parameters")
-                        if g.is_sparse:
-                            raise RuntimeError("Adafactor does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i)
-                        entry = self.state[i]
-                        if g.dim() > 1:
-                            mat_p.append(p)
-                            mat_g.append(g)
-                            mat_r.append(entry["row_var"])
-                            mat_c.append(entry["col_var"])
-                            mat_s.append(entry["step"])
-                        else:
-                            vec_p.append(p)
-                            vec_g.append(g)
-                            vec_v.append(entry["variance"])
-                            vec_s.append(entry["step"])
-                self.live = [mat_p, mat_r, mat_c, mat_s, vec_p, vec_v, vec_s]
-                self._update(mat_p, mat_g, mat_r, mat_c, mat_s, lr, eps1, True)
-                self._update(vec_p, vec_g, vec_v, vec_v, vec_s, lr, eps1, False)
-            self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against):
-        factored row and column variances for matrices, a full one otherwise."""
-        if p.dim() > 1:
-            row_shape = list(p.shape)
-            row_shape[-1] = 1
-            col_shape = list(p.shape)
-            col_shape[-2] = 1
-            return {
-                "step": new_step(),
-                "row_var": p.new_zeros(row_shape),
-                "col_var": p.new_zeros(col_shape),
-            }
-        variance = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return {"step": new_step(), "variance": variance}
+            adafactor_gather(self.live, self.params, self.state, self.groups, gradients)
+            eps1 = self._epsilon1(gradients)
+            for s in range(len(self.live)):
+                adafactor_update(
+                    self.live[s], lr, eps1, self.eps[1], self.beta2_decay, self.d,
+                    self.weight_decay, self.maximize, s % 2 == 0,
+                )
+            release(self.live)
 
     def _epsilon1(self, gradients: List[Optional[Tensor]]) -> float:
         # torch.optim resolves eps1=None once per step, from the first parameter it updates.
@@ -244,68 +324,3 @@ class FunctionalAdafactor:
             if gradients[i] is not None:
                 return machine_epsilon(self.params[i].dtype)
         return 0.0
-
-    def _update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        first: List[Tensor],
-        second: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-        eps1: float,
-        factored: bool,
-    ) -> None:
-        # ``first``/``second`` are row_var/col_var when factored, else both the variance.
-        if len(params) == 0:
-            return
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        increment_steps(steps)
-        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-        decays: List[Union[int, float, complex]] = []
-        alphas: List[float] = []
-        for j in range(len(params)):
-            t = float(steps[j].item())
-            decays.append(t ** self.beta2_decay)
-            rho = min(lr, 1.0 / (t ** 0.5))
-            p = params[j]
-            rms = float(torch.linalg.vector_norm(p, 2.0).item()) / (p.numel() ** 0.5)
-            alphas.append(max(self.eps[1], rms) * rho)
-        if self.weight_decay != 0.0:
-            torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
-        if factored:
-            row_sizes: List[Union[int, float, complex]] = [g.size(-1) for g in grads]
-            col_sizes: List[Union[int, float, complex]] = [g.size(-2) for g in grads]
-            row_means = [torch.linalg.vector_norm(g, 2.0, [-1], True) for g in grads]
-            torch._foreach_mul_(row_means, row_means)
-            torch._foreach_div_(row_means, row_sizes)
-            torch._foreach_lerp_(first, row_means, decays)
-            col_means = [torch.linalg.vector_norm(g, 2.0, [-2], True) for g in grads]
-            torch._foreach_mul_(col_means, col_means)
-            torch._foreach_div_(col_means, col_sizes)
-            torch._foreach_lerp_(second, col_means, decays)
-            estimates = [torch.matmul(first[j], second[j]) for j in range(len(params))]
-            row_var_means = [r.mean(dim=-2, keepdim=True) for r in first]
-            torch._foreach_clamp_min_(row_var_means, eps1)
-            torch._foreach_div_(estimates, row_var_means)
-        else:
-            squares = torch._foreach_mul(grads, grads)
-            torch._foreach_lerp_(first, squares, decays)
-            estimates = [v.clone() for v in first]
-        torch._foreach_clamp_min_(estimates, eps1 * eps1)
-        torch._foreach_rsqrt_(estimates)
-        torch._foreach_mul_(estimates, grads)
-        scales: List[Union[int, float, complex]] = []
-        for j in range(len(params)):
-            u = estimates[j]
-            u_rms = float(torch.linalg.vector_norm(u, 2.0).item()) / ((u.numel() ** 0.5) * self.d)
-            scales.append(-alphas[j] / max(1.0, u_rms))
-        if len(params) <= 16:
-            # A few (<= 16) tensors: one pass each (param += scale * update) beats the foreach
-            # pair (scale the updates, then add), which reads and writes every update twice.
-            for j in range(len(params)):
-                params[j].add_(estimates[j], alpha=scales[j])
-        else:
-            torch._foreach_mul_(estimates, scales)
-            torch._foreach_add_(params, estimates)

@@ -1,5 +1,5 @@
 """Stochastic gradient descent (optionally with momentum), as torch.optim.SGD."""
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -14,23 +14,159 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    optional_flag,
     checked_state,
-    meta_params,
-    copy_back,
-    fit_fused_layouts,
-    gather,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    no_lists,
+    meta_params,
     one_gradient,
+    optional_flag,
     scalar,
     unknown_hyperparameter,
     use_fused_kernel,
 )
+from functional._kernels import (
+    check_length,
+    copy_back,
+    fit_fused_layouts,
+    new_operands,
+    no_operands,
+    refuse,
+    release,
+    signed,
+)
+
+
+def sgd_gather(
+    live: List[List[List[Tensor]]],
+    params: List[Tensor],
+    state: Dict[int, Dict[str, Tensor]],
+    groups: List[List[int]],
+    gradients: List[Optional[Tensor]],
+    momentum: bool,
+    fused: bool,
+) -> Tuple[List[bool], List[int], List[int]]:
+    """SGD's one pass (``_kernels.gather``'s, split by momentum history): per group, the
+    operand set ``[params, grads, bufs]`` of first momentum steps (new buffers laid out as
+    their parameters, which the kernel fills with the gradient: torch.optim's ``b_1 = g``),
+    then that of later steps.
+
+    Returns:
+        Per operand set whether ``fit_fused_layouts`` must run (when ``fused``); the indices
+        of the new buffers, in order (they enter the state after the kernel); the indices
+        of parameters with a sparse gradient (stepped one by one, as torch.optim does).
+    """
+    check_length(params, gradients)
+    live.clear()
+    fits: List[bool] = []
+    first_indices: List[int] = []
+    sparse_indices: List[int] = []
+    for group in groups:
+        first = new_operands(1)
+        later = new_operands(1)
+        first_fit = False
+        later_fit = False
+        for i in group:
+            g = gradients[i]
+            if g is not None:
+                p = params[i]
+                if not g.is_same_size(p) or g.dtype != p.dtype:
+                    refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
+                if g.is_sparse:
+                    sparse_indices.append(i)
+                elif momentum and i in state:
+                    later[0].append(p)
+                    later[1].append(g)
+                    later[2].append(state[i]["momentum_buffer"])
+                    if fused and not later_fit:
+                        later_fit = not (p.is_contiguous() and g.is_contiguous())
+                else:
+                    first[0].append(p)
+                    first[1].append(g)
+                    if momentum:
+                        first_indices.append(i)
+                        first[2].append(torch.empty_like(p))
+                    if fused and not first_fit:
+                        first_fit = not (p.is_contiguous() and g.is_contiguous())
+        live.append(first)
+        live.append(later)
+        fits.append(first_fit)
+        fits.append(later_fit)
+    return fits, first_indices, sparse_indices
+
+
+def sgd_update(
+    ops: List[List[Tensor]],
+    fit: bool,
+    first: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    fused: bool,
+) -> None:
+    """One SGD step over ``[params, grads, momentum_buffers]`` (no buffers without momentum),
+    on the fused kernel or on foreach ops; ``first``: the buffers are new (``b_1 = g``)."""
+    params, grads, bufs = ops[0], ops[1], ops[2]
+    if len(params) == 0:
+        return
+    if fused:
+        staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
+        torch._fused_sgd_(
+            params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
+            dampening=dampening, nesterov=nesterov, maximize=maximize, is_first_step=first,
+        )
+        copy_back(staged)
+        return
+    grads = signed(grads, maximize)
+    if weight_decay != 0.0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    if momentum != 0.0:
+        if first:
+            torch._foreach_copy_(bufs, grads)
+        else:
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=1.0 - dampening)
+        if nesterov:
+            grads = torch._foreach_add(grads, bufs, alpha=momentum)
+        else:
+            grads = bufs
+    torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def sgd_sparse_update(
+    param: Tensor,
+    grad: Tensor,
+    buf: Optional[Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> Optional[Tensor]:
+    """torch.optim's per-tensor rule, the only one that takes a sparse gradient. Returns the
+    momentum buffer (new on a first step: a clone of the gradient, sparse as torch.optim
+    keeps it), None without momentum."""
+    if maximize:
+        grad = -grad
+    if weight_decay != 0.0:
+        grad = grad.add(param, alpha=weight_decay)
+    if momentum != 0.0:
+        if buf is not None:
+            buf.mul_(momentum).add_(grad, alpha=1.0 - dampening)
+        else:
+            buf = torch.clone(grad).detach()
+        if nesterov:
+            grad = grad.add(buf, alpha=momentum)
+        else:
+            grad = buf
+    param.add_(grad, alpha=-lr)
+    return buf
 
 
 class FunctionalSGD:
@@ -103,7 +239,7 @@ class FunctionalSGD:
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, momentum, dampening, weight_decay).
@@ -138,8 +274,7 @@ class FunctionalSGD:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -150,52 +285,35 @@ class FunctionalSGD:
         Raises:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
         """
-        batches = gather(self.params, gradients, self.groups)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for idx, grads in batches:
-                # Split by whether a momentum buffer exists yet: the kernels treat a
-                # parameter's first momentum step differently (the buffer starts as g).
-                # New buffers are laid out as their parameter (torch.optim's state layout)
-                # and enter the state once the kernel has filled them.
-                first_i: List[int] = []
-                first_p: List[Tensor] = []
-                first_g: List[Tensor] = []
-                first_b: List[Tensor] = []
-                later_p: List[Tensor] = []
-                later_g: List[Tensor] = []
-                later_b: List[Tensor] = []
-                # Locals, not attributes, in the per-parameter loop: each attribute read is
-                # an interpreter instruction per parameter.
-                params = self.params
-                state = self.state
-                has_momentum = self.momentum != 0.0
-                for k in range(len(idx)):
-                    i = idx[k]
-                    g = grads[k]
-                    p = params[i]
-                    if g.is_sparse:
-                        self._sparse_update(i, p, g, lr)
-                    elif has_momentum and i in state:
-                        later_p.append(p)
-                        later_g.append(g)
-                        later_b.append(state[i]["momentum_buffer"])
-                    else:
-                        first_p.append(p)
-                        first_g.append(g)
-                        if has_momentum:
-                            first_i.append(i)
-                            first_b.append(self._new_state(p)["momentum_buffer"])
-                self.live = [first_p, first_b, later_p, later_b]
-                if self.use_fused:
-                    self._fused_update(first_p, first_g, first_b, lr, True)
-                    self._fused_update(later_p, later_g, later_b, lr, False)
-                else:
-                    self._foreach_update(first_p, first_g, first_b, lr, True)
-                    self._foreach_update(later_p, later_g, later_b, lr, False)
-                for j in range(len(first_i)):
-                    state[first_i[j]] = {"momentum_buffer": first_b[j]}
-            self.live = no_lists()
+            fits, first_indices, sparse_indices = sgd_gather(
+                self.live, self.params, self.state, self.groups, gradients,
+                self.momentum != 0.0, self.use_fused,
+            )
+            for s in range(len(fits)):
+                sgd_update(
+                    self.live[s], fits[s], s % 2 == 0, lr, self.momentum, self.dampening,
+                    self.weight_decay, self.nesterov, self.maximize, self.use_fused,
+                )
+            k = 0
+            for s in range(0, len(fits), 2):
+                for buf in self.live[s][2]:
+                    self.state[first_indices[k]] = {"momentum_buffer": buf}
+                    k += 1
+            release(self.live)
+            for i in sparse_indices:
+                grad = gradients[i]
+                assert grad is not None
+                buf: Optional[Tensor] = None
+                if i in self.state:
+                    buf = self.state[i]["momentum_buffer"]
+                buf = sgd_sparse_update(
+                    self.params[i], grad, buf, lr, self.momentum, self.dampening,
+                    self.weight_decay, self.nesterov, self.maximize,
+                )
+                if buf is not None:
+                    self.state[i] = {"momentum_buffer": buf}
 
     def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
         """A fresh state entry for ``p`` (the template ``set_state`` checks against): a
@@ -203,63 +321,3 @@ class FunctionalSGD:
         if self.momentum != 0.0:
             return {"momentum_buffer": torch.empty_like(p)}
         return torch.jit.annotate(Dict[str, Tensor], {})
-
-    def _fused_update(
-        self, params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, first: bool
-    ) -> None:
-        if len(params) == 0:
-            return
-        staged = fit_fused_layouts(params, grads)
-        torch._fused_sgd_(
-            params,
-            grads,
-            bufs,
-            weight_decay=self.weight_decay,
-            momentum=self.momentum,
-            lr=lr,
-            dampening=self.dampening,
-            nesterov=self.nesterov,
-            maximize=self.maximize,
-            is_first_step=first,
-        )
-        copy_back(staged)
-
-    def _foreach_update(
-        self, params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, first: bool
-    ) -> None:
-        if len(params) == 0:
-            return
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        if self.weight_decay != 0.0:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        if self.momentum != 0.0:
-            if first:
-                torch._foreach_copy_(bufs, grads)
-            else:
-                torch._foreach_mul_(bufs, self.momentum)
-                torch._foreach_add_(bufs, grads, alpha=1.0 - self.dampening)
-            if self.nesterov:
-                grads = torch._foreach_add(grads, bufs, alpha=self.momentum)
-            else:
-                grads = bufs
-        torch._foreach_add_(params, grads, alpha=-lr)
-
-    def _sparse_update(self, i: int, param: Tensor, grad: Tensor, lr: float) -> None:
-        # torch.optim's per-tensor rule, which is the only one that accepts sparse gradients.
-        if self.maximize:
-            grad = -grad
-        if self.weight_decay != 0.0:
-            grad = grad.add(param, alpha=self.weight_decay)
-        if self.momentum != 0.0:
-            if i in self.state:
-                buf = self.state[i]["momentum_buffer"]
-                buf.mul_(self.momentum).add_(grad, alpha=1.0 - self.dampening)
-            else:
-                buf = torch.clone(grad).detach()
-                self.state[i] = {"momentum_buffer": buf}
-            if self.nesterov:
-                grad = grad.add(buf, alpha=self.momentum)
-            else:
-                grad = buf
-        param.add_(grad, alpha=-lr)
