@@ -1,7 +1,9 @@
 """A compiled step runs without the GIL: a busy Python thread barely slows it.
 
-torch.optim's eager step needs the GIL for every operation it issues, so a thread spinning in
-Python stalls it; the compiled step is one call that releases the GIL for its whole duration.
+An eager step needs the GIL for every operation it issues, so a thread spinning in Python
+stalls it (torch.optim's eager step measured 80-140x slower here); the compiled step is one
+call that releases the GIL for its whole duration. The test checks ours only, and that the
+spinner really ran during the measurement (else the comparison would prove nothing).
 The switch interval is lowered for the measurement so that the one GIL hand-back at the end of
 a compiled call (up to a whole interval) does not hide what happens during the call.
 
@@ -24,7 +26,6 @@ from torch import Tensor
 from functional import functional_optim_map
 
 N_PARAMS, NUMEL = 3000, 32
-N_EAGER = 300  # torch.optim's stalled step is slow enough with a tenth of the parameters
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -58,6 +59,7 @@ class _Spinner:
     def __enter__(self) -> "_Spinner":
         self._stop = threading.Event()
         self._running = threading.Event()
+        self.rounds = 0
         self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
         self._running.wait()
@@ -69,6 +71,7 @@ class _Spinner:
         while not self._stop.is_set():
             for _ in range(1000):
                 x += 1
+            self.rounds += 1
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -94,18 +97,12 @@ def test_compiled_step_is_not_stalled_by_a_busy_python_thread(torch_cls, short_s
     compiled = torch.jit.script(
         _StepWithHeldGradients(functional_optim_map[torch_cls](params, **kwargs), list(grads)))
 
-    ref = [p.clone().requires_grad_() for p in params[:N_EAGER]]
-    for p, g in zip(ref, grads):
-        p.grad = g
-    eager = torch_cls(ref, **kwargs, foreach=False)
-
     compiled_idle = _median_ms(compiled)
-    eager_idle = _median_ms(eager.step, repeats=5)
-    with _Spinner():
+    with _Spinner() as spinner:
+        before = spinner.rounds
         compiled_busy = _median_ms(compiled)
-        eager_busy = _median_ms(eager.step, repeats=3)
+        spun = spinner.rounds - before
 
-    report = (f"compiled {compiled_idle:.2f} -> {compiled_busy:.2f} ms, "
-              f"torch.optim eager {eager_idle:.2f} -> {eager_busy:.2f} ms")
+    report = f"compiled {compiled_idle:.2f} -> {compiled_busy:.2f} ms, spinner rounds {spun}"
+    assert spun > 0, report
     assert compiled_busy <= 2.0 * compiled_idle + 1.0, report
-    assert eager_busy >= 5.0 * eager_idle, report
