@@ -58,18 +58,19 @@ def check_betas(betas: Tuple[float, float]) -> None:
             raise ValueError(f"Invalid betas[{i}]: {betas[i]!r} (expected in [0, 1))")
 
 
-def check_flags(cls_name: str, foreach: Optional[bool], fused: Optional[bool]) -> None:
-    """``foreach`` and ``fused`` cannot both be True (torch.optim's rule)."""
+def check_flags(foreach: Optional[bool], fused: Optional[bool]) -> None:
+    """``foreach`` and ``fused`` cannot both be True (torch.optim's rule and error type)."""
     if foreach and fused:
-        raise RuntimeError(f"{cls_name}: `fused` and `foreach` cannot be `True` together.")
+        raise RuntimeError("Invalid fused: True with foreach=True (expected at most one of them)")
 
 
-def check_nesterov(momentum: float, dampening: float) -> None:
+def check_nesterov(nesterov: bool, momentum: float, dampening: float) -> None:
     """Nesterov momentum needs momentum > 0 and zero dampening."""
-    raise ValueError(
-        f"Invalid nesterov: True with momentum={momentum!r}, dampening={dampening!r} "
-        f"(expected momentum > 0 and dampening == 0)"
-    )
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError(
+            f"Invalid nesterov: True with momentum={momentum!r}, dampening={dampening!r} "
+            f"(expected momentum > 0 and dampening == 0)"
+        )
 
 
 def check_etas(etas: Tuple[float, float]) -> None:
@@ -78,19 +79,17 @@ def check_etas(etas: Tuple[float, float]) -> None:
         raise ValueError(f"Invalid etas: {tuple(etas)!r} (expected 0 < etas[0] < 1 < etas[1])")
 
 
-def check_fused(
-    cls_name: str, params: List[Tensor], fused: Optional[bool], differentiable: bool
-) -> None:
-    """``fused=True`` needs floating-point parameters and excludes ``differentiable``."""
+def check_fused(params: List[Tensor], fused: Optional[bool], differentiable: bool) -> None:
+    """``fused=True`` needs floating-point parameters and excludes ``differentiable``
+    (torch.optim's rules and error type)."""
     if not fused:
         return
-    if differentiable:
-        raise RuntimeError(f"{cls_name}: `fused` does not support `differentiable`.")
+    check_fused_differentiable(fused, differentiable)
     for i, p in enumerate(params):
         if not torch.is_floating_point(p):
             raise RuntimeError(
-                f"{cls_name}: `fused=True` requires floating-point parameters, "
-                f"but params[{i}] is {p.dtype}"
+                f"Invalid fused: True with params[{i}] of dtype {p.dtype} (expected "
+                f"floating-point parameters)"
             )
 
 
@@ -128,7 +127,7 @@ def check_betas_kind(betas: Tuple[float, float], foreach: Optional[bool], captur
 def check_fused_differentiable(fused: Optional[bool], differentiable: bool) -> None:
     """A fused kernel cannot record autograd history (torch.optim's rule)."""
     if fused and differentiable:
-        raise RuntimeError("`fused` does not support `differentiable`")
+        raise RuntimeError("Invalid fused: True with differentiable=True (expected one of them)")
 
 
 def check_at_most(name: str, value: float, high: float) -> None:

@@ -95,8 +95,8 @@ class FunctionalAdagrad:
             check_at_least("weight_decay", weight_decay, 0.0)
             check_at_least("initial_accumulator_value", initial_accumulator_value, 0.0)
             check_at_least("eps", eps, 0.0)
-            check_fused("Adagrad", params, fused, differentiable)
-            check_flags("Adagrad", foreach, fused)
+            check_fused(params, fused, differentiable)
+            check_flags(foreach, fused)
         self.params = params
         self.lr = lr_float(lr)
         self.lr_tensor = lr_tensor(lr)

@@ -181,7 +181,7 @@ class FunctionalAdam:
             check_at_least("weight_decay", weight_decay, 0.0)
             check_betas_kind(betas, foreach, capturable)
             check_fused_differentiable(fused, differentiable)
-            check_flags("Adam", foreach, fused)
+            check_flags(foreach, fused)
         self.params = params
         self.lr = lr_float(lr)
         self.lr_tensor = lr_tensor(lr)
@@ -292,7 +292,6 @@ def FunctionalAdamW(
     """
     if not torch.jit.is_scripting():
         check_types(FunctionalAdamW, locals())
-        check_flags("AdamW", foreach, fused)
     optim = FunctionalAdam(
         params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
         differentiable, fused, True,

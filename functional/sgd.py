@@ -222,9 +222,8 @@ class FunctionalSGD:
             check_lr(lr)
             check_at_least("momentum", momentum, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)
-            check_flags("SGD", foreach, fused)
-            if nesterov and (momentum <= 0.0 or dampening != 0.0):
-                check_nesterov(momentum, dampening)
+            check_flags(foreach, fused)
+            check_nesterov(nesterov, momentum, dampening)
         self.params = params
         self.lr = lr_float(lr)
         self.lr_tensor = lr_tensor(lr)
