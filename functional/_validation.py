@@ -100,7 +100,7 @@ def check_no_tensor_lr_with_foreach(
     if isinstance(lr, Tensor) and foreach and not capturable:
         raise ValueError(
             "Invalid lr: Tensor with foreach=True, capturable=False (expected a float lr, "
-            f"or foreach=False, or capturable=True)"
+            "or foreach=False, or capturable=True)"
         )
 
 

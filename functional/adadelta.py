@@ -13,23 +13,53 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
-    new_step,
-    fresh_zeros_like,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    no_lists,
     one_gradient,
+    optional_flag,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    decayed,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+    signed,
+)
+
+
+def adadelta_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    rho: float,
+    maximize: bool,
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """One Adadelta step over ``gather``'s operands ``[params, grads, step, square_avg, acc_delta]``."""
+    params, grads, square_avgs, acc_deltas, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    if len(params) == 0:
+        return
+    increment_steps(steps)
+    grads = signed(grads, maximize)
+    grads = decayed(params, grads, weight_decay, lr, False)
+    torch._foreach_mul_(square_avgs, rho)
+    torch._foreach_addcmul_(square_avgs, grads, grads, value=1.0 - rho)
+    std = torch._foreach_add(square_avgs, eps)
+    torch._foreach_sqrt_(std)
+    deltas = torch._foreach_add(acc_deltas, eps)
+    torch._foreach_sqrt_(deltas)
+    torch._foreach_div_(deltas, std)
+    torch._foreach_mul_(deltas, grads)
+    torch._foreach_mul_(acc_deltas, rho)
+    torch._foreach_addcmul_(acc_deltas, deltas, deltas, value=1.0 - rho)
+    torch._foreach_add_(params, deltas, alpha=-lr)
 
 
 class FunctionalAdadelta:
@@ -96,7 +126,10 @@ class FunctionalAdadelta:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ['step', 'square_avg', 'acc_delta']
+        self.fills = [0.0, 0.0, 0.0]
+        self.scalars = [True, False, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, rho, eps, weight_decay).
@@ -121,8 +154,7 @@ class FunctionalAdadelta:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -130,8 +162,7 @@ class FunctionalAdadelta:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -143,68 +174,13 @@ class FunctionalAdadelta:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                square_avgs: List[Tensor] = []
-                acc_deltas: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("Adadelta does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        square_avgs.append(state["square_avg"])
-                        acc_deltas.append(state["acc_delta"])
-                        steps.append(state["step"])
-                self.live = [params, square_avgs, acc_deltas, steps]
-                self._foreach_update(params, grads, square_avgs, acc_deltas, steps, lr)
-            self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        return {
-            "step": new_step(),
-            "square_avg": fresh_zeros_like(p),
-            "acc_delta": fresh_zeros_like(p),
-        }
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        square_avgs: List[Tensor],
-        acc_deltas: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        rho = self.rho
-        increment_steps(steps)
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        if self.weight_decay != 0.0:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        torch._foreach_mul_(square_avgs, rho)
-        torch._foreach_addcmul_(square_avgs, grads, grads, value=1.0 - rho)
-        std = torch._foreach_add(square_avgs, self.eps)
-        torch._foreach_sqrt_(std)
-        deltas = torch._foreach_add(acc_deltas, self.eps)
-        torch._foreach_sqrt_(deltas)
-        torch._foreach_div_(deltas, std)
-        torch._foreach_mul_(deltas, grads)
-        torch._foreach_mul_(acc_deltas, rho)
-        torch._foreach_addcmul_(acc_deltas, deltas, deltas, value=1.0 - rho)
-        torch._foreach_add_(params, deltas, alpha=-lr)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense",
+                "Adadelta does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                adadelta_update(self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps)
+            release(self.live)

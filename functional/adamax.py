@@ -7,23 +7,55 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    new_step,
-    no_lists,
     one_gradient,
+    optional_flag,
     pair,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    decayed,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+    signed,
+)
+
+
+def adamax_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """One Adamax step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_inf]``."""
+    params, grads, exp_avgs, exp_infs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    if len(params) == 0:
+        return
+    beta1, beta2 = betas
+    grads = signed(grads, maximize)
+    increment_steps(steps)
+    grads = decayed(params, grads, weight_decay, lr, False)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_infs, beta2)
+    # A new list: the caller's gradients are never changed.
+    norms = torch._foreach_abs(grads)
+    torch._foreach_add_(norms, eps)
+    torch._foreach_maximum_(exp_infs, norms)
+    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+    step_sizes: List[Union[int, float, complex]] = []
+    for s in steps:
+        step_sizes.append(-(lr / (1.0 - beta1 ** float(s.item()))))
+    torch._foreach_addcdiv_(params, exp_avgs, exp_infs, step_sizes)
 
 
 class FunctionalAdamax:
@@ -90,7 +122,10 @@ class FunctionalAdamax:
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ['step', 'exp_avg', 'exp_inf']
+        self.fills = [0.0, 0.0, 0.0]
+        self.scalars = [True, False, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
@@ -116,8 +151,7 @@ class FunctionalAdamax:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -125,8 +159,7 @@ class FunctionalAdamax:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -138,68 +171,13 @@ class FunctionalAdamax:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                exp_avgs: List[Tensor] = []
-                exp_infs: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("Adamax does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        exp_avgs.append(state["exp_avg"])
-                        exp_infs.append(state["exp_inf"])
-                        steps.append(state["step"])
-                self.live = [params, exp_avgs, exp_infs, steps]
-                self._foreach_update(params, grads, exp_avgs, exp_infs, steps, lr)
-            self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
-        # inlined, so exp_inf is made from exp_avg.
-        exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
-        exp_inf = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
-        return {"step": new_step(), "exp_avg": exp_avg, "exp_inf": exp_inf}
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        exp_avgs: List[Tensor],
-        exp_infs: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        beta1, beta2 = self.betas
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        increment_steps(steps)
-        if self.weight_decay != 0.0:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_infs, beta2)
-        # A new list: the caller's gradients are never changed.
-        norms = torch._foreach_abs(grads)
-        torch._foreach_add_(norms, self.eps)
-        torch._foreach_maximum_(exp_infs, norms)
-        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-        step_sizes: List[Union[int, float, complex]] = []
-        for s in steps:
-            step_sizes.append(-(lr / (1.0 - beta1 ** float(s.item()))))
-        torch._foreach_addcdiv_(params, exp_avgs, exp_infs, step_sizes)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense",
+                "Adamax does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                adamax_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps)
+            release(self.live)

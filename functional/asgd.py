@@ -7,23 +7,73 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
-    new_step,
-    fresh_zeros_like,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    no_lists,
     one_gradient,
+    optional_flag,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    decayed,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+    signed,
+)
+
+
+def asgd_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    lambd: float,
+    maximize: bool,
+    weight_decay: float,
+    alpha: float,
+    t0: float,
+) -> None:
+    """One ASGD step over ``gather``'s operands ``[params, grads, step, eta, mu, ax]``."""
+    params, grads, axs, mus, etas, steps = ops[0], ops[1], ops[5], ops[4], ops[3], ops[2]
+    if len(params) == 0:
+        return
+    grads = signed(grads, maximize)
+    increment_steps(steps)
+    grads = decayed(params, grads, weight_decay, lr, False)
+    eta0 = float(etas[0].item())
+    mu0 = float(mus[0].item())
+    uniform = True
+    for j in range(1, len(etas)):
+        if float(etas[j].item()) != eta0 or float(mus[j].item()) != mu0:
+            uniform = False
+    if uniform:
+        # The usual case (every parameter has taken as many steps): scalar kernels, in
+        # torch.optim's per-tensor order, and a plain copy while the average is the last
+        # iterate (mu == 1), which halves the memory traffic of the foreach form.
+        torch._foreach_mul_(params, 1.0 - lambd * eta0)
+        torch._foreach_add_(params, grads, alpha=-eta0)
+        if mu0 == 1.0:
+            torch._foreach_copy_(axs, params)
+        else:
+            diff = torch._foreach_sub(params, axs)
+            torch._foreach_mul_(diff, mu0)
+            torch._foreach_add_(axs, diff)
+    else:
+        # theta - eta * (g + lambd * theta), with per-parameter eta and mu tensors.
+        decayed_grads = torch._foreach_add(grads, params, alpha=lambd)
+        torch._foreach_addcmul_(params, decayed_grads, etas, value=-1.0)
+        diff = torch._foreach_sub(params, axs)
+        torch._foreach_addcmul_(axs, diff, mus)
+    for j in range(len(steps)):
+        step_t = steps[j]
+        # torch.optim computes eta from the float32 step tensor, and lr / x as
+        # x.reciprocal() * lr; mu from the step as a Python float.
+        etas[j].copy_((step_t * (lambd * lr) + 1.0).pow(alpha).reciprocal() * lr)
+        mus[j].fill_(1.0 / max(1.0, float(step_t.item()) - t0))
 
 
 class FunctionalASGD:
@@ -95,7 +145,10 @@ class FunctionalASGD:
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ['step', 'eta', 'mu', 'ax']
+        self.fills = [0.0, 0.0, 1.0, 0.0]
+        self.scalars = [True, True, True, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, lambd, alpha, t0, weight_decay).
@@ -124,8 +177,7 @@ class FunctionalASGD:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p, self.lr) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -133,8 +185,7 @@ class FunctionalASGD:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -146,91 +197,12 @@ class FunctionalASGD:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                axs: List[Tensor] = []
-                mus: List[Tensor] = []
-                etas: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("ASGD does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i, lr)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        axs.append(state["ax"])
-                        mus.append(state["mu"])
-                        etas.append(state["eta"])
-                        steps.append(state["step"])
-                self.live = [params, axs, mus, etas, steps]
-                self._foreach_update(params, grads, axs, mus, etas, steps, lr)
-            self.live = no_lists()
-
-    def _init_state(self, i: int, lr: float) -> None:
-        self.state[i] = self._new_state(self.params[i], lr)
-
-    def _new_state(self, p: Tensor, lr: float) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        return {
-            "step": new_step(),
-            "eta": torch.full((), lr, dtype=torch.float32, device=p.device),
-            "mu": torch.ones((), dtype=torch.float32, device=p.device),
-            "ax": fresh_zeros_like(p),
-        }
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        axs: List[Tensor],
-        mus: List[Tensor],
-        etas: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        lambd = self.lambd
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        increment_steps(steps)
-        if self.weight_decay != 0.0:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        eta0 = float(etas[0].item())
-        mu0 = float(mus[0].item())
-        uniform = True
-        for j in range(1, len(etas)):
-            if float(etas[j].item()) != eta0 or float(mus[j].item()) != mu0:
-                uniform = False
-        if uniform:
-            # The usual case (every parameter has taken as many steps): scalar kernels, in
-            # torch.optim's per-tensor order, and a plain copy while the average is the last
-            # iterate (mu == 1), which halves the memory traffic of the foreach form.
-            torch._foreach_mul_(params, 1.0 - lambd * eta0)
-            torch._foreach_add_(params, grads, alpha=-eta0)
-            if mu0 == 1.0:
-                torch._foreach_copy_(axs, params)
-            else:
-                diff = torch._foreach_sub(params, axs)
-                torch._foreach_mul_(diff, mu0)
-                torch._foreach_add_(axs, diff)
-        else:
-            # theta - eta * (g + lambd * theta), with per-parameter eta and mu tensors.
-            decayed = torch._foreach_add(grads, params, alpha=lambd)
-            torch._foreach_addcmul_(params, decayed, etas, value=-1.0)
-            diff = torch._foreach_sub(params, axs)
-            torch._foreach_addcmul_(axs, diff, mus)
-        for j in range(len(steps)):
-            step_t = steps[j]
-            # torch.optim computes eta from the float32 step tensor, and lr / x as
-            # x.reciprocal() * lr; mu from the step as a Python float.
-            etas[j].copy_((step_t * (lambd * lr) + 1.0).pow(self.alpha).reciprocal() * lr)
-            mus[j].fill_(1.0 / max(1.0, float(step_t.item()) - self.t0))
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                [0.0, lr, 1.0, 0.0], self.scalars, "dense", "ASGD does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                asgd_update(self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha, self.t0)
+            release(self.live)

@@ -7,24 +7,79 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    new_scalar_like,
-    new_step,
-    no_lists,
     one_gradient,
+    optional_flag,
     pair,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+    signed,
+)
+
+
+def nadam_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    momentum_decay: float,
+    eps: float,
+) -> None:
+    """One NAdam step over ``gather``'s operands ``[params, grads, step, mu_product, exp_avg, exp_avg_sq]``."""
+    params, grads, exp_avgs, exp_avg_sqs, mu_products, steps = ops[0], ops[1], ops[4], ops[5], ops[3], ops[2]
+    if len(params) == 0:
+        return
+    beta1, beta2 = betas
+    grads = signed(grads, maximize)
+    increment_steps(steps)
+    if weight_decay != 0.0:
+        if decoupled_weight_decay:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+    bias_correction2_sqrts: List[Union[int, float, complex]] = []
+    mus: List[Union[int, float, complex]] = []
+    mu_floats: List[float] = []
+    mu_nexts: List[float] = []
+    for s in steps:
+        t = float(s.item())
+        bias_correction2_sqrts.append((1.0 - beta2 ** t) ** 0.5)
+        mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
+        mus.append(mu)
+        mu_floats.append(mu)
+        mu_nexts.append(beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * momentum_decay))))
+    # mu_product is float32, as in torch.optim: the step sizes use its rounded value.
+    torch._foreach_mul_(mu_products, mus)
+    torch._foreach_div_(denom, bias_correction2_sqrts)
+    torch._foreach_add_(denom, eps)
+    grad_sizes: List[Union[int, float, complex]] = []
+    exp_avg_sizes: List[Union[int, float, complex]] = []
+    for j in range(len(params)):
+        mu = mu_floats[j]
+        mu_next = mu_nexts[j]
+        mu_product = float(mu_products[j].item())
+        grad_sizes.append(-(lr * (1.0 - mu) / (1.0 - mu_product)))
+        exp_avg_sizes.append(-(lr * mu_next / (1.0 - mu_product * mu_next)))
+    torch._foreach_addcdiv_(params, grads, denom, grad_sizes)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, exp_avg_sizes)
 
 
 class FunctionalNAdam:
@@ -106,7 +161,10 @@ class FunctionalNAdam:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ['step', 'mu_product', 'exp_avg', 'exp_avg_sq']
+        self.fills = [0.0, 1.0, 0.0, 0.0]
+        self.scalars = [True, True, False, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps, weight_decay,
@@ -137,8 +195,7 @@ class FunctionalNAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -146,8 +203,7 @@ class FunctionalNAdam:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -159,98 +215,13 @@ class FunctionalNAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                exp_avgs: List[Tensor] = []
-                exp_avg_sqs: List[Tensor] = []
-                mu_products: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("NAdam does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        exp_avgs.append(state["exp_avg"])
-                        exp_avg_sqs.append(state["exp_avg_sq"])
-                        mu_products.append(state["mu_product"])
-                        steps.append(state["step"])
-                self.live = [params, exp_avgs, exp_avg_sqs, mu_products, steps]
-                self._foreach_update(params, grads, exp_avgs, exp_avg_sqs, mu_products, steps, lr)
-            self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
-        # inlined, so exp_avg_sq is made from exp_avg.
-        exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
-        exp_avg_sq = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
-        return {
-            "step": new_step(),
-            "mu_product": new_scalar_like(p, 1.0),
-            "exp_avg": exp_avg,
-            "exp_avg_sq": exp_avg_sq,
-        }
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        exp_avgs: List[Tensor],
-        exp_avg_sqs: List[Tensor],
-        mu_products: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        beta1, beta2 = self.betas
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        increment_steps(steps)
-        if self.weight_decay != 0.0:
-            if self.decoupled_weight_decay:
-                torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
-            else:
-                grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-        bias_correction2_sqrts: List[Union[int, float, complex]] = []
-        mus: List[Union[int, float, complex]] = []
-        mu_floats: List[float] = []
-        mu_nexts: List[float] = []
-        for s in steps:
-            t = float(s.item())
-            bias_correction2_sqrts.append((1.0 - beta2 ** t) ** 0.5)
-            mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * self.momentum_decay)))
-            mus.append(mu)
-            mu_floats.append(mu)
-            mu_nexts.append(beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * self.momentum_decay))))
-        # mu_product is float32, as in torch.optim: the step sizes use its rounded value.
-        torch._foreach_mul_(mu_products, mus)
-        torch._foreach_div_(denom, bias_correction2_sqrts)
-        torch._foreach_add_(denom, self.eps)
-        grad_sizes: List[Union[int, float, complex]] = []
-        exp_avg_sizes: List[Union[int, float, complex]] = []
-        for j in range(len(params)):
-            mu = mu_floats[j]
-            mu_next = mu_nexts[j]
-            mu_product = float(mu_products[j].item())
-            grad_sizes.append(-(lr * (1.0 - mu) / (1.0 - mu_product)))
-            exp_avg_sizes.append(-(lr * mu_next / (1.0 - mu_product * mu_next)))
-        torch._foreach_addcdiv_(params, grads, denom, grad_sizes)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, exp_avg_sizes)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense",
+                "NAdam does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                nadam_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.decoupled_weight_decay, self.momentum_decay, self.eps)
+            release(self.live)

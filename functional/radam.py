@@ -7,23 +7,78 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    new_step,
-    no_lists,
     one_gradient,
+    optional_flag,
     pair,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+    signed,
+)
+
+
+def radam_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    eps: float,
+) -> None:
+    """One RAdam step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_avg_sq]``."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    if len(params) == 0:
+        return
+    beta1, beta2 = betas
+    increment_steps(steps)
+    grads = signed(grads, maximize)
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    # Per parameter: the step size of the adaptive term (0 while rho_t <= 5, which sends
+    # that term to zero below) and of the plain momentum term (0 once rho_t > 5).
+    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+    adaptive_sizes: List[Union[int, float, complex]] = []
+    plain_sizes: List[Union[int, float, complex]] = []
+    for s in steps:
+        t = float(s.item())
+        rho_t = rho_inf - 2.0 * t * (beta2 ** t) / (1.0 - beta2 ** t)
+        rect = 0.0
+        if rho_t > 5.0:
+            rect = (
+                (rho_t - 4.0) * (rho_t - 2.0) * rho_inf
+                / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+            ) ** 0.5
+        unrectified = 0.0 if rect > 0.0 else 1.0
+        bias_correction1 = 1.0 - beta1 ** t
+        plain_sizes.append(-(lr * unrectified / bias_correction1))
+        adaptive_sizes.append(-(((1.0 - beta2 ** t) ** 0.5) * (lr * rect / bias_correction1)))
+    if weight_decay != 0.0:
+        if decoupled_weight_decay:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    # factor = adaptive_size / (sqrt(v) + eps) + plain_size; division by a zero
+    # adaptive size gives an infinity whose reciprocal is the wanted zero.
+    factors = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(factors, eps)
+    torch._foreach_div_(factors, adaptive_sizes)
+    torch._foreach_reciprocal_(factors)
+    torch._foreach_add_(factors, plain_sizes)
+    torch._foreach_addcmul_(params, exp_avgs, factors)
 
 
 class FunctionalRAdam:
@@ -105,7 +160,10 @@ class FunctionalRAdam:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ['step', 'exp_avg', 'exp_avg_sq']
+        self.fills = [0.0, 0.0, 0.0]
+        self.scalars = [True, False, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
@@ -131,8 +189,7 @@ class FunctionalRAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -140,8 +197,7 @@ class FunctionalRAdam:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -153,90 +209,13 @@ class FunctionalRAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                exp_avgs: List[Tensor] = []
-                exp_avg_sqs: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("RAdam does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        exp_avgs.append(state["exp_avg"])
-                        exp_avg_sqs.append(state["exp_avg_sq"])
-                        steps.append(state["step"])
-                self.live = [params, exp_avgs, exp_avg_sqs, steps]
-                self._foreach_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr)
-            self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        # TorchScript limit: identical zeros_like(p) calls are merged into one tensor once
-        # inlined, so exp_avg_sq is made from exp_avg.
-        exp_avg = torch.zeros_like(p, memory_format=torch.preserve_format)
-        exp_avg_sq = torch.zeros_like(exp_avg, memory_format=torch.preserve_format)
-        return {"step": new_step(), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        exp_avgs: List[Tensor],
-        exp_avg_sqs: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        beta1, beta2 = self.betas
-        increment_steps(steps)
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        rho_inf = 2.0 / (1.0 - beta2) - 1.0
-        # Per parameter: the step size of the adaptive term (0 while rho_t <= 5, which sends
-        # that term to zero below) and of the plain momentum term (0 once rho_t > 5).
-        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-        adaptive_sizes: List[Union[int, float, complex]] = []
-        plain_sizes: List[Union[int, float, complex]] = []
-        for s in steps:
-            t = float(s.item())
-            rho_t = rho_inf - 2.0 * t * (beta2 ** t) / (1.0 - beta2 ** t)
-            rect = 0.0
-            if rho_t > 5.0:
-                rect = (
-                    (rho_t - 4.0) * (rho_t - 2.0) * rho_inf
-                    / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
-                ) ** 0.5
-            unrectified = 0.0 if rect > 0.0 else 1.0
-            bias_correction1 = 1.0 - beta1 ** t
-            plain_sizes.append(-(lr * unrectified / bias_correction1))
-            adaptive_sizes.append(-(((1.0 - beta2 ** t) ** 0.5) * (lr * rect / bias_correction1)))
-        if self.weight_decay != 0.0:
-            if self.decoupled_weight_decay:
-                torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
-            else:
-                grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-        # factor = adaptive_size / (sqrt(v) + eps) + plain_size; division by a zero
-        # adaptive size gives an infinity whose reciprocal is the wanted zero.
-        factors = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(factors, self.eps)
-        torch._foreach_div_(factors, adaptive_sizes)
-        torch._foreach_reciprocal_(factors)
-        torch._foreach_add_(factors, plain_sizes)
-        torch._foreach_addcmul_(params, exp_avgs, factors)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense",
+                "RAdam does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                radam_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.decoupled_weight_decay, self.eps)
+            release(self.live)

@@ -7,24 +7,57 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_etas, check_lr, check_params, check_types
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
-    new_step,
-    fresh_zeros_like,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    no_lists,
     one_gradient,
+    optional_flag,
     pair,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+)
+
+
+def rprop_update(
+    ops: List[List[Tensor]],
+    etas: Tuple[float, float],
+    step_size_bounds: Tuple[float, float],
+    maximize: bool,
+) -> None:
+    """One Rprop step over ``gather``'s operands ``[params, grads, step, prev, step_size]``."""
+    params, grads, prevs, step_sizes, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    if len(params) == 0:
+        return
+    etaminus, etaplus = etas
+    step_size_min, step_size_max = step_size_bounds
+    increment_steps(steps)
+    signs = torch._foreach_mul(grads, prevs)
+    if maximize:
+        torch._foreach_neg_(signs)
+    # From here on ``prevs`` holds this step's (signed, then masked) gradient.
+    torch._foreach_copy_(prevs, grads)
+    if maximize:
+        torch._foreach_neg_(prevs)
+    torch._foreach_sign_(signs)
+    for sign in signs:
+        sign.masked_fill_(sign.gt(0), etaplus)
+        sign.masked_fill_(sign.lt(0), etaminus)
+        sign.masked_fill_(sign.eq(0), 1.0)
+    torch._foreach_mul_(step_sizes, signs)
+    for j in range(len(step_sizes)):
+        step_sizes[j].clamp_(step_size_min, step_size_max)
+        prevs[j].masked_fill_(signs[j].eq(etaminus), 0.0)
+    grad_signs = torch._foreach_sign(prevs)
+    torch._foreach_addcmul_(params, grad_signs, step_sizes, value=-1.0)
 
 
 class FunctionalRprop:
@@ -89,7 +122,10 @@ class FunctionalRprop:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ['step', 'prev', 'step_size']
+        self.fills = [0.0, 0.0, 0.0]
+        self.scalars = [True, False, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, etas, step_sizes).
@@ -113,8 +149,7 @@ class FunctionalRprop:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p, self.lr) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -122,8 +157,7 @@ class FunctionalRprop:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -135,71 +169,12 @@ class FunctionalRprop:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                prevs: List[Tensor] = []
-                step_sizes: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("Rprop does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i, lr)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        prevs.append(state["prev"])
-                        step_sizes.append(state["step_size"])
-                        steps.append(state["step"])
-                self.live = [params, prevs, step_sizes, steps]
-                self._foreach_update(params, grads, prevs, step_sizes, steps)
-            self.live = no_lists()
-
-    def _init_state(self, i: int, lr: float) -> None:
-        self.state[i] = self._new_state(self.params[i], lr)
-
-    def _new_state(self, p: Tensor, lr: float) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        return {
-            "step": new_step(),
-            "prev": fresh_zeros_like(p),
-            "step_size": torch.full_like(p, lr),
-        }
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        prevs: List[Tensor],
-        step_sizes: List[Tensor],
-        steps: List[Tensor],
-    ) -> None:
-        if len(params) == 0:
-            return
-        etaminus, etaplus = self.etas
-        step_size_min, step_size_max = self.step_sizes
-        increment_steps(steps)
-        signs = torch._foreach_mul(grads, prevs)
-        if self.maximize:
-            torch._foreach_neg_(signs)
-        # From here on ``prevs`` holds this step's (signed, then masked) gradient.
-        torch._foreach_copy_(prevs, grads)
-        if self.maximize:
-            torch._foreach_neg_(prevs)
-        torch._foreach_sign_(signs)
-        for sign in signs:
-            sign.masked_fill_(sign.gt(0), etaplus)
-            sign.masked_fill_(sign.lt(0), etaminus)
-            sign.masked_fill_(sign.eq(0), 1.0)
-        torch._foreach_mul_(step_sizes, signs)
-        for j in range(len(step_sizes)):
-            step_sizes[j].clamp_(step_size_min, step_size_max)
-            prevs[j].masked_fill_(signs[j].eq(etaminus), 0.0)
-        grad_signs = torch._foreach_sign(prevs)
-        torch._foreach_addcmul_(params, grad_signs, step_sizes, value=-1.0)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                [0.0, 0.0, lr], self.scalars, "dense", "Rprop does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                rprop_update(self.live[s], self.etas, self.step_sizes, self.maximize)
+            release(self.live)
