@@ -14,25 +14,88 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    copy_back,
-    fit_fused_layouts,
-    increment_steps,
-    check_gradients,
-    new_step,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    no_lists,
     one_gradient,
+    optional_flag,
     scalar,
     unknown_hyperparameter,
     use_fused_kernel,
 )
+from functional._kernels import (
+    check_spec_state,
+    copy_back,
+    decayed,
+    fit_fused_layouts,
+    gather,
+    increment_steps,
+    new_state,
+    no_operands,
+    numbers,
+    release,
+    signed,
+    step_values,
+)
+
+
+def adagrad_update(
+    ops: List[List[Tensor]],
+    fit: bool,
+    lr: float,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    fused: bool,
+) -> None:
+    """One Adagrad step over ``gather``'s operands ``[params, grads, steps, sums]``, on the
+    fused kernel or on foreach ops."""
+    params, grads, steps, sums = ops[0], ops[1], ops[2], ops[3]
+    if len(params) == 0:
+        return
+    if fused:
+        staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
+        # The kernel reads the already-incremented step, as in torch.optim's fused path.
+        increment_steps(steps)
+        torch._fused_adagrad_(
+            params, grads, sums, steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+            eps=eps, maximize=maximize,
+        )
+        copy_back(staged)
+        return
+    grads = signed(grads, maximize)
+    increment_steps(steps)
+    grads = decayed(params, grads, weight_decay, lr, False)
+    minus_clr = numbers([-lr / (1.0 + (t - 1.0) * lr_decay) for t in step_values(steps)])
+    torch._foreach_addcmul_(sums, grads, grads, value=1.0)
+    std = torch._foreach_sqrt(sums)
+    torch._foreach_add_(std, eps)
+    numerator = torch._foreach_mul(grads, minus_clr)
+    torch._foreach_addcdiv_(params, numerator, std)
+
+
+def adagrad_sparse_update(
+    ops: List[List[Tensor]], lr: float, lr_decay: float, eps: float, maximize: bool
+) -> None:
+    """torch.optim's per-tensor rule, the only one that takes sparse gradients, for each of
+    ``[params, grads, steps, sums]``: the update is non-linear, so repeated indices are
+    summed (coalesced) first. (``step`` refuses weight decay with sparse gradients.)"""
+    for j in range(len(ops[0])):
+        param, grad, step_t, state_sum = ops[0][j], ops[1][j], ops[2][j], ops[3][j]
+        step_t.add_(1.0)
+        if maximize:
+            grad = -grad
+        clr = lr / (1.0 + (float(step_t.item()) - 1.0) * lr_decay)
+        grad = grad.coalesce()
+        indices = grad._indices()
+        values = grad._values()
+        state_sum.add_(torch.sparse_coo_tensor(indices, values.pow(2), grad.size()))
+        std = state_sum.sparse_mask(grad)
+        std_values = std._values().sqrt_().add_(eps)
+        param.add_(torch.sparse_coo_tensor(indices, values / std_values, grad.size()), alpha=-clr)
 
 
 class FunctionalAdagrad:
@@ -111,10 +174,12 @@ class FunctionalAdagrad:
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ["step", "sum"]
+        self.scalars = [True, False]
+        self.live = no_operands()
         # torch.optim.Adagrad creates every parameter's state in its constructor.
         for i in range(len(params)):
-            self._init_state(i)
+            self.state[i] = new_state(params[i], self.keys, self.fills(), self.scalars)
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, lr_decay, weight_decay, eps).
@@ -139,8 +204,7 @@ class FunctionalAdagrad:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills(), self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -148,8 +212,7 @@ class FunctionalAdagrad:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -161,111 +224,25 @@ class FunctionalAdagrad:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient while weight_decay is not 0.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                sums: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if i not in self.state:
-                            self._init_state(i)
-                        p = self.params[i]
-                        if g.is_sparse:
-                            self._sparse_update(i, p, g, lr)
-                        else:
-                            params.append(p)
-                            grads.append(g)
-                            sums.append(self.state[i]["sum"])
-                            steps.append(self.state[i]["step"])
-                self.live = [params, sums, steps]
-                if self.use_fused:
-                    self._fused_update(params, grads, sums, steps, lr)
-                else:
-                    self._foreach_update(params, grads, sums, steps, lr)
-            self.live = no_lists()
+            fits = gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills(), self.scalars, "both", "", self.use_fused,
+            )
+            if self.weight_decay != 0.0 and len(self.live[len(fits) - 1][0]) > 0:
+                release(self.live)  # before any parameter changes (torch.optim's message)
+                raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+            for s in range(len(fits) - 1):
+                adagrad_update(
+                    self.live[s], fits[s], lr, self.lr_decay, self.weight_decay, self.eps,
+                    self.maximize, self.use_fused,
+                )
+            adagrad_sparse_update(
+                self.live[len(fits) - 1], lr, self.lr_decay, self.eps, self.maximize
+            )
+            release(self.live)
 
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        return {
-            "step": new_step(),
-            "sum": torch.full_like(p, self.initial_accumulator_value),
-        }
-
-    def _fused_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        sums: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        staged = fit_fused_layouts(params, grads)
-        # The kernel reads the already-incremented step, as in torch.optim's fused path.
-        increment_steps(steps)
-        torch._fused_adagrad_(
-            params,
-            grads,
-            sums,
-            steps,
-            lr=lr,
-            lr_decay=self.lr_decay,
-            weight_decay=self.weight_decay,
-            eps=self.eps,
-            maximize=self.maximize,
-        )
-        copy_back(staged)
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        sums: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        increment_steps(steps)
-        if self.weight_decay != 0.0:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-        minus_clr: List[Union[int, float, complex]] = []
-        for step_t in steps:
-            minus_clr.append(-lr / (1.0 + (float(step_t.item()) - 1.0) * self.lr_decay))
-        torch._foreach_addcmul_(sums, grads, grads, value=1.0)
-        std = torch._foreach_sqrt(sums)
-        torch._foreach_add_(std, self.eps)
-        numerator = torch._foreach_mul(grads, minus_clr)
-        torch._foreach_addcdiv_(params, numerator, std)
-
-    def _sparse_update(self, i: int, param: Tensor, grad: Tensor, lr: float) -> None:
-        # torch.optim's per-tensor rule, the only one that accepts sparse gradients: the
-        # update is non-linear, so repeated indices are summed (coalesced) first.
-        state = self.state[i]
-        step_t = state["step"]
-        state_sum = state["sum"]
-        step_t.add_(1.0)
-        if self.maximize:
-            grad = -grad
-        if self.weight_decay != 0.0:
-            raise RuntimeError("weight_decay option is not compatible with sparse gradients")
-        clr = lr / (1.0 + (float(step_t.item()) - 1.0) * self.lr_decay)
-        grad = grad.coalesce()
-        indices = grad._indices()
-        values = grad._values()
-        state_sum.add_(torch.sparse_coo_tensor(indices, values.pow(2), grad.size()))
-        std = state_sum.sparse_mask(grad)
-        std_values = std._values().sqrt_().add_(self.eps)
-        param.add_(torch.sparse_coo_tensor(indices, values / std_values, grad.size()), alpha=-clr)
+    def fills(self) -> List[float]:
+        """``new_state``'s values: ``sum`` starts at ``initial_accumulator_value``."""
+        return [0.0, self.initial_accumulator_value]

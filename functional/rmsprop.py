@@ -7,23 +7,72 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
-    optional_flag,
-    checked_state,
-    meta_params,
-    increment_steps,
-    check_gradients,
-    new_step,
-    fresh_zeros_like,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    no_lists,
     one_gradient,
+    optional_flag,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import (
+    check_spec_state,
+    decayed,
+    gather,
+    increment_steps,
+    no_operands,
+    release,
+    signed,
+)
+
+
+def rmsprop_keys(momentum: float, centered: bool) -> List[str]:
+    """RMSprop's state keys under these options, in torch.optim's order."""
+    keys = ["step", "square_avg"]
+    if momentum > 0.0:
+        keys.append("momentum_buffer")
+    if centered:
+        keys.append("grad_avg")
+    return keys
+
+
+def rmsprop_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    alpha: float,
+    maximize: bool,
+    weight_decay: float,
+    centered: bool,
+    eps: float,
+    momentum: float,
+) -> None:
+    """One RMSprop step over ``gather``'s operands ``[params, grads, steps, square_avgs,
+    (momentum_buffers with momentum), (grad_avgs when centered)]`` (``rmsprop_keys``)."""
+    params, grads, steps, square_avgs = ops[0], ops[1], ops[2], ops[3]
+    bufs = ops[4] if momentum > 0.0 else params[:0]
+    grad_avgs = ops[len(ops) - 1] if centered else params[:0]
+    if len(params) == 0:
+        return
+    grads = signed(grads, maximize)
+    increment_steps(steps)
+    grads = decayed(params, grads, weight_decay, lr, False)
+    torch._foreach_mul_(square_avgs, alpha)
+    torch._foreach_addcmul_(square_avgs, grads, grads, value=1.0 - alpha)
+    if centered:
+        torch._foreach_lerp_(grad_avgs, grads, 1.0 - alpha)
+        avg = torch._foreach_addcmul(square_avgs, grad_avgs, grad_avgs, value=-1.0)
+        torch._foreach_sqrt_(avg)
+    else:
+        avg = torch._foreach_sqrt(square_avgs)
+    torch._foreach_add_(avg, eps)
+    if momentum > 0.0:
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_addcdiv_(bufs, grads, avg)
+        torch._foreach_add_(params, bufs, alpha=-lr)
+    else:
+        torch._foreach_addcdiv_(params, grads, avg, value=-lr)
 
 
 class FunctionalRMSprop:
@@ -102,13 +151,16 @@ class FunctionalRMSprop:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = rmsprop_keys(self.momentum, self.centered)
+        self.fills = [0.0 for _ in self.keys]
+        self.scalars = [k == "step" for k in self.keys]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, alpha, eps, weight_decay, momentum).
 
         Values are lists so that every class shares the signature (pairs take two). Turning
-        momentum on later gives each parameter a zero ``momentum_buffer`` at its next step.
+        momentum on later gives each parameter with state a zero ``momentum_buffer``.
         """
         if name == "lr":
             self.lr = scalar(name, value)
@@ -123,6 +175,10 @@ class FunctionalRMSprop:
             self.weight_decay = scalar(name, value)
         elif name == "momentum":
             self.momentum = scalar(name, value)
+            self.keys = rmsprop_keys(self.momentum, self.centered)
+            self.fills = [0.0 for _ in self.keys]
+            self.scalars = [k == "step" for k in self.keys]
+            self._complete_state()
         else:
             raise ValueError(
                 unknown_hyperparameter(
@@ -132,17 +188,26 @@ class FunctionalRMSprop:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        # A state without momentum_buffer / grad_avg is complete (set_state adds what the
+        # options ask for); one with them must have them shaped like the parameter.
+        return check_spec_state(self.params, state, ["step", "square_avg"], [0.0, 0.0], [True, False])
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
         self.state = self.check_state(state)
+        self._complete_state()
+
+    def _complete_state(self) -> None:
+        """Give every entry the buffers the current options need (zeros), so that turning
+        momentum on, or loading a state saved without it, needs no check in ``step``."""
+        for i, entry in self.state.items():
+            for key in self.keys:
+                if key not in entry:
+                    entry[key] = torch.zeros_like(self.params[i], memory_format=torch.preserve_format)
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -154,83 +219,13 @@ class FunctionalRMSprop:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        check_gradients(self.params, gradients)
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                params: List[Tensor] = []
-                grads: List[Tensor] = []
-                square_avgs: List[Tensor] = []
-                grad_avgs: List[Tensor] = []
-                bufs: List[Tensor] = []
-                steps: List[Tensor] = []
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if g.is_sparse:
-                            raise RuntimeError("RMSprop does not support sparse gradients")
-                        self._init_state(i)
-                        state = self.state[i]
-                        params.append(self.params[i])
-                        grads.append(g)
-                        square_avgs.append(state["square_avg"])
-                        steps.append(state["step"])
-                        if self.momentum > 0.0:
-                            bufs.append(state["momentum_buffer"])
-                        if self.centered:
-                            grad_avgs.append(state["grad_avg"])
-                self.live = [params, square_avgs, grad_avgs, bufs, steps]
-                self._foreach_update(params, grads, square_avgs, grad_avgs, bufs, steps, lr)
-            self.live = no_lists()
-
-    def _init_state(self, i: int) -> None:
-        # Creates whatever parameter i's state lacks under the current options (all of it
-        # on its first gradient), so that momentum or centering switched on later works.
-        p = self.params[i]
-        if i not in self.state:
-            self.state[i] = self._new_state(p)
-        state = self.state[i]
-        if self.momentum > 0.0 and "momentum_buffer" not in state:
-            state["momentum_buffer"] = fresh_zeros_like(p)
-        if self.centered and "grad_avg" not in state:
-            state["grad_avg"] = fresh_zeros_like(p)
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """The state every parameter has (also the template ``set_state`` checks against);
-        ``_init_state`` adds the momentum buffer and gradient average as the options ask, so a
-        state without them is complete (one with them must have them shaped like ``p``)."""
-        return {"step": new_step(), "square_avg": fresh_zeros_like(p)}
-
-    def _foreach_update(
-        self,
-        params: List[Tensor],
-        grads: List[Tensor],
-        square_avgs: List[Tensor],
-        grad_avgs: List[Tensor],
-        bufs: List[Tensor],
-        steps: List[Tensor],
-        lr: float,
-    ) -> None:
-        if len(params) == 0:
-            return
-        alpha = self.alpha
-        if self.maximize:
-            grads = torch._foreach_neg(grads)
-        increment_steps(steps)
-        if self.weight_decay != 0.0:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        torch._foreach_mul_(square_avgs, alpha)
-        torch._foreach_addcmul_(square_avgs, grads, grads, value=1.0 - alpha)
-        if self.centered:
-            torch._foreach_lerp_(grad_avgs, grads, 1.0 - alpha)
-            avg = torch._foreach_addcmul(square_avgs, grad_avgs, grad_avgs, value=-1.0)
-            torch._foreach_sqrt_(avg)
-        else:
-            avg = torch._foreach_sqrt(square_avgs)
-        torch._foreach_add_(avg, self.eps)
-        if self.momentum > 0.0:
-            torch._foreach_mul_(bufs, self.momentum)
-            torch._foreach_addcdiv_(bufs, grads, avg)
-            torch._foreach_add_(params, bufs, alpha=-lr)
-        else:
-            torch._foreach_addcdiv_(params, grads, avg, value=-lr)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense",
+                "RMSprop does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                rmsprop_update(self.live[s], lr, self.alpha, self.maximize, self.weight_decay, self.centered, self.eps, self.momentum)
+            release(self.live)
