@@ -1,75 +1,11 @@
-"""TorchScript-compilable helpers shared by every functional optimizer.
-
-Everything here compiles with ``torch.jit.script``: the optimizers call these functions
-from their ``step`` methods, so the compiler pulls them in recursively.
-
-TorchScript limit (torch 2.13): an in-place foreach or fused kernel whose tensor lists were
-built locally in a method is removed as dead code by the compiler, although it writes to
-parameters and state. Every ``step`` therefore stores the lists it passes to in-place kernels
-in the attribute ``self.live`` before the kernels run (an attribute write makes them escape)
-and resets it to ``no_lists()`` afterwards. The compiled parity tests catch a missing one.
+"""TorchScript-compilable helpers shared by every functional optimizer: parameter groups,
+hyper-parameter values, and the state checks (``checked_state``). The kernel layer's shared
+half, and the TorchScript workarounds, are in ``functional/_kernels.py``.
 """
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-
-
-def check_gradients(params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
-    """Raise ValueError unless ``gradients`` lines up with ``params`` one to one.
-
-    One cheap pass (``is_same_size`` and a dtype compare per gradient) on the hot path; the
-    message naming the index and both values is built only when something is wrong.
-    """
-    if len(gradients) != len(params):
-        raise ValueError(
-            f"Invalid gradients: {len(gradients)} gradients for {len(params)} parameters "
-            f"(expected one gradient or None per parameter)"
-        )
-    for i in range(len(params)):
-        g = gradients[i]
-        if g is not None:
-            p = params[i]
-            if not g.is_same_size(p) or g.dtype != p.dtype:
-                _raise_mismatch(i, g, p)
-
-
-def _raise_mismatch(i: int, g: Tensor, p: Tensor) -> None:
-    if g.shape != p.shape:
-        raise ValueError(
-            f"Invalid gradients[{i}]: shape {g.shape} (expected {p.shape}, "
-            f"the shape of params[{i}])"
-        )
-    raise ValueError(
-        f"Invalid gradients[{i}]: dtype {dtype_name(g.dtype)} (expected "
-        f"{dtype_name(p.dtype)}, the dtype of params[{i}])"
-    )
-
-
-def gather(
-    params: List[Tensor], gradients: List[Optional[Tensor]], groups: List[List[int]]
-) -> List[Tuple[List[int], List[Tensor]]]:
-    """Per (device, dtype) group: the indices and gradients of parameters that have one.
-
-    Checks every gradient first (as ``check_gradients``) so that a bad one raises before any
-    parameter changes; one pass over the list, the hot path of every ``step``.
-    """
-    if len(gradients) != len(params):
-        check_gradients(params, gradients)
-    batches: List[Tuple[List[int], List[Tensor]]] = []
-    for group in groups:
-        idx: List[int] = []
-        grads: List[Tensor] = []
-        for i in group:
-            g = gradients[i]
-            if g is not None:
-                p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype:
-                    _raise_mismatch(i, g, p)
-                idx.append(i)
-                grads.append(g)
-        batches.append((idx, grads))
-    return batches
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -144,16 +80,6 @@ def unknown_hyperparameter(cls_name: str, name: str, known: List[str]) -> str:
     return f"Invalid hyper-parameter name for {cls_name}: '{name}' (expected one of {known})"
 
 
-def new_step() -> Tensor:
-    """A fresh ``step`` state entry: a 0-dim float32 tensor, as torch.optim keeps it.
-
-    TorchScript limit (torch 2.13): ``torch.zeros((), dtype=...)`` has only constant inputs,
-    so the compiler folds it into ONE graph constant shared by every parameter of every
-    instance; ``torch.empty(...).zero_()`` is not folded.
-    """
-    return torch.empty((), dtype=torch.float32).zero_()
-
-
 def lr_of(lr: float, lr_tensor: Optional[Tensor]) -> float:
     """The learning rate in effect: the Tensor lr's current value when one was given."""
     if lr_tensor is not None:
@@ -190,116 +116,6 @@ def use_fused_kernel(foreach: Optional[bool], fused: Optional[bool]) -> bool:
     if foreach is not None and foreach:
         return False
     return True
-
-
-def no_lists() -> List[List[Tensor]]:
-    """An empty ``live`` list (see the TorchScript note in this module's docstring)."""
-    return torch.jit.annotate(List[List[Tensor]], [])
-
-
-def fresh_zeros_like(p: Tensor) -> Tensor:
-    """A new zero tensor shaped like ``p``, never shared with another state entry.
-
-    TorchScript limit (torch 2.13): common-subexpression elimination merges two
-    ``torch.zeros_like(p)`` calls in one method into one tensor, so two state entries made
-    that way (``square_avg`` and ``acc_delta``, say) would alias. Writing to the new tensor
-    keeps the compiler from merging it.
-    """
-    z = torch.empty_like(p)
-    z.zero_()
-    return z
-
-
-def new_scalar_like(param: Tensor, value: float) -> Tensor:
-    """A fresh 0-dim float32 state tensor holding ``value`` (``mu_product``).
-
-    Taking the device from ``param`` keeps TorchScript from folding it into a constant.
-    """
-    return torch.full((), value, dtype=torch.float32, device=param.device)
-
-
-def dense_layout(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill ``t.numel()`` consecutive memory slots (in any order).
-
-    That is what the fused CPU kernels need: they walk ``numel`` elements from the data
-    pointer, so a tensor with gaps (a slice) or overlaps (stride 0) is stepped wrongly or
-    written outside its own elements.
-    """
-    if t.is_contiguous():
-        return True
-    sizes = t.size()
-    strides = t.stride()
-    dims: List[int] = []
-    for d in range(len(sizes)):
-        if sizes[d] != 1:
-            # Insertion by stride: a handful of dimensions at most.
-            k = len(dims)
-            while k > 0 and strides[dims[k - 1]] > strides[d]:
-                k -= 1
-            dims.insert(k, d)
-    expected = 1
-    for d in dims:
-        if strides[d] != expected:
-            return False
-        expected *= sizes[d]
-    return True
-
-
-def fit_fused_layouts(params: List[Tensor], grads: List[Tensor]) -> List[List[Tensor]]:
-    """Make the fused kernels' operands exact for every memory layout; in place.
-
-    A fused CPU kernel treats a parameter, its gradient and its state as ``numel`` elements
-    from each data pointer, element k of one matching element k of the others. That holds
-    when the parameter's layout is dense and the gradient's strides equal it; state is kept
-    in ``torch.empty_like(param)``'s layout (``memory_format=torch.preserve_format``), which
-    is the parameter's own when dense. Otherwise:
-
-    - a non-dense parameter (a slice, gaps, stride 0) is replaced in ``params`` by a dense
-      copy laid out as its state, to be copied back by ``copy_back`` after the kernel;
-    - a gradient laid out differently is replaced in ``grads`` by a copy in the parameter's
-      layout (gradients read from a dist_autograd context carry no layout promise).
-
-    The common case (parameter and gradient contiguous) costs two flag reads per tensor.
-
-    Returns:
-        ``[originals, copies]`` of the replaced parameters, for ``copy_back``.
-    """
-    originals: List[Tensor] = []
-    copies: List[Tensor] = []
-    for k in range(len(params)):
-        p = params[k]
-        g = grads[k]
-        if not (p.is_contiguous() and g.is_contiguous()):
-            if not dense_layout(p):
-                work = torch.empty_like(p)
-                work.copy_(p)
-                originals.append(p)
-                copies.append(work)
-                params[k] = work
-                p = work
-            if g.stride() != p.stride():
-                fitted = torch.empty_like(p)
-                fitted.copy_(g)
-                grads[k] = fitted
-    return [originals, copies]
-
-
-def copy_back(staged: List[List[Tensor]]) -> None:
-    """Write the dense copies made by ``fit_fused_layouts`` back into their parameters."""
-    originals = staged[0]
-    copies = staged[1]
-    for k in range(len(originals)):
-        originals[k].copy_(copies[k])
-
-
-def increment_steps(steps: List[Tensor]) -> None:
-    """Add 1 to every ``step`` tensor.
-
-    A Tensor operand, not the number 1: with a number, foreach ops on CPU 0-dim tensors wrap
-    it into a new tensor once per element (measured: 1,000 steps, 1.5 ms instead of 0.36 ms,
-    more than a fused Adam step over the same parameters).
-    """
-    torch._foreach_add_(steps, torch.ones((), dtype=torch.float32), alpha=1.0)
 
 
 def meta_like(p: Tensor) -> Tensor:

@@ -17,16 +17,13 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    checked_state,
-    meta_params,
-    check_gradients,
     group_by_device_dtype,
     index_of,
-    no_lists,
     one_gradient,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import check_spec_state, gather, no_operands, release
 
 
 def newton_schulz_orthogonalize(
@@ -65,6 +62,32 @@ def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], rows: int, cols: int) ->
     else:
         ratio = 1.0
     return lr * ratio
+
+
+def muon_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: Tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: Optional[str],
+) -> None:
+    """One Muon step over ``gather``'s operands ``[params, grads, momentum_buffers]``, one
+    matrix at a time (each update is orthogonalized on its own)."""
+    for j in range(len(ops[0])):
+        param, grad, buf = ops[0][j], ops[1][j], ops[2][j]
+        buf.lerp_(grad, 1.0 - momentum)
+        if nesterov:
+            update = grad.lerp(buf, momentum)
+        else:
+            update = buf
+        update = newton_schulz_orthogonalize(update, ns_coefficients, ns_steps, eps)
+        adjusted = adjusted_lr(lr, adjust_lr_fn, param.size(0), param.size(1))
+        param.mul_(1.0 - lr * weight_decay)
+        param.add_(update, alpha=-adjusted)
 
 
 class FunctionalMuon:
@@ -143,7 +166,10 @@ class FunctionalMuon:
         self.adjust_lr_fn = adjust_lr_fn
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ["momentum_buffer"]
+        self.fills = [0.0]
+        self.scalars = [False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, weight_decay, momentum, eps,
@@ -173,8 +199,7 @@ class FunctionalMuon:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -182,8 +207,7 @@ class FunctionalMuon:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -195,37 +219,17 @@ class FunctionalMuon:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient or a complex parameter (as torch.optim).
         """
-        check_gradients(self.params, gradients)
+        for i in range(min(len(gradients), len(self.params))):
+            if gradients[i] is not None and self.params[i].is_complex():
+                raise RuntimeError("Muon does not support complex parameters")
         with torch.no_grad():
-            for group in self.groups:
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if self.params[i].is_complex():
-                            raise RuntimeError("Muon does not support complex parameters")
-                        if g.is_sparse:
-                            raise RuntimeError("Muon does not support sparse gradients")
-                        if i not in self.state:
-                            self._init_state(i)
-                        self._update(i, g)
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against),
-        laid out as the parameter (torch.optim's state layout), whatever the gradient's."""
-        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
-
-    def _update(self, i: int, grad: Tensor) -> None:
-        param = self.params[i]
-        buf = self.state[i]["momentum_buffer"]
-        buf.lerp_(grad, 1.0 - self.momentum)
-        if self.nesterov:
-            update = grad.lerp(buf, self.momentum)
-        else:
-            update = buf
-        update = newton_schulz_orthogonalize(update, self.ns_coefficients, self.ns_steps, self.eps)
-        lr = adjusted_lr(self.lr, self.adjust_lr_fn, param.size(0), param.size(1))
-        param.mul_(1.0 - self.lr * self.weight_decay)
-        param.add_(update, alpha=-lr)
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "dense", "Muon does not support sparse gradients", False,
+            )
+            for s in range(len(self.live)):
+                muon_update(
+                    self.live[s], self.lr, self.weight_decay, self.momentum, self.nesterov,
+                    self.ns_coefficients, self.ns_steps, self.eps, self.adjust_lr_fn,
+                )
+            release(self.live)

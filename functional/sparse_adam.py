@@ -15,21 +15,58 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    checked_state,
-    meta_params,
-    check_gradients,
     group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
     lr_tensor,
-    new_step,
-    no_lists,
     one_gradient,
     pair,
     scalar,
     unknown_hyperparameter,
 )
+from functional._kernels import check_spec_state, gather, no_operands, release
+
+
+def sparse_adam_update(
+    param: Tensor,
+    grad: Tensor,
+    step_t: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    """One SparseAdam step of one parameter: the moments and the parameter change only
+    at the gradient's entries."""
+    # The step counts even when the gradient holds no values (torch.optim does the same).
+    step_t.add_(1.0)
+    if maximize:
+        grad = -grad
+    # The update is non-linear, so repeated indices must be summed first.
+    grad = grad.coalesce()
+    indices = grad._indices()
+    values = grad._values()
+    if values.numel() == 0:
+        return
+    size = grad.size()
+    # m += (1 - b1) (g - m) and v += (1 - b2) (g^2 - v), on the gradient's entries only.
+    old_exp_avg = exp_avg.sparse_mask(grad)._values()
+    exp_avg_change = values.sub(old_exp_avg).mul_(1.0 - beta1)
+    exp_avg.add_(torch.sparse_coo_tensor(indices, exp_avg_change, size))
+    old_exp_avg_sq = exp_avg_sq.sparse_mask(grad)._values()
+    exp_avg_sq_change = values.pow(2).sub_(old_exp_avg_sq).mul_(1.0 - beta2)
+    exp_avg_sq.add_(torch.sparse_coo_tensor(indices, exp_avg_sq_change, size))
+    numer = exp_avg_change.add_(old_exp_avg)
+    denom = exp_avg_sq_change.add_(old_exp_avg_sq).sqrt_().add_(eps)
+    step = float(step_t.item())
+    bias_correction1 = 1.0 - beta1 ** step
+    bias_correction2 = 1.0 - beta2 ** step
+    step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+    param.add_(torch.sparse_coo_tensor(indices, numer.div_(denom) * (-step_size), size))
 
 
 class FunctionalSparseAdam:
@@ -87,7 +124,10 @@ class FunctionalSparseAdam:
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = group_by_device_dtype(params)
-        self.live = no_lists()
+        self.keys = ["step", "exp_avg", "exp_avg_sq"]
+        self.fills = [0.0, 0.0, 0.0]
+        self.scalars = [True, False, False]
+        self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps).
@@ -109,8 +149,7 @@ class FunctionalSparseAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        fresh = {i: self._new_state(p) for i, p in meta_params(self.params, state)}
-        return checked_state(self.params, state, fresh)
+        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -118,8 +157,7 @@ class FunctionalSparseAdam:
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (None: leave it and its state as they are)."""
-        i = index_of(self.params, param)
-        self.step(one_gradient(len(self.params), i, grad))
+        self.step(one_gradient(len(self.params), index_of(self.params, param), grad))
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None.
@@ -131,65 +169,18 @@ class FunctionalSparseAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a dense gradient (torch.optim's message); nothing is updated.
         """
-        check_gradients(self.params, gradients)
-        for i in range(len(gradients)):
-            g = gradients[i]
-            if g is not None:
-                if not g.is_sparse:
-                    raise RuntimeError(
-                        "SparseAdam does not support dense gradients, please consider Adam instead"
-                    )
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            for group in self.groups:
-                for i in group:
-                    g = gradients[i]
-                    if g is not None:
-                        if i not in self.state:
-                            self._init_state(i)
-                        self._sparse_update(i, g, lr)
-
-    def _init_state(self, i: int) -> None:
-        self.state[i] = self._new_state(self.params[i])
-
-    def _new_state(self, p: Tensor) -> Dict[str, Tensor]:
-        """A fresh state entry for ``p`` (also the template ``set_state`` checks against)."""
-        return {
-            "step": new_step(),
-            "exp_avg": torch.zeros_like(p),
-            "exp_avg_sq": torch.zeros_like(p),
-        }
-
-    def _sparse_update(self, i: int, grad: Tensor, lr: float) -> None:
-        param = self.params[i]
-        entry = self.state[i]
-        step_t = entry["step"]
-        exp_avg = entry["exp_avg"]
-        exp_avg_sq = entry["exp_avg_sq"]
-        beta1 = self.betas[0]
-        beta2 = self.betas[1]
-        # The step counts even when the gradient holds no values (torch.optim does the same).
-        step_t.add_(1.0)
-        if self.maximize:
-            grad = -grad
-        # The update is non-linear, so repeated indices must be summed first.
-        grad = grad.coalesce()
-        indices = grad._indices()
-        values = grad._values()
-        if values.numel() == 0:
-            return
-        size = grad.size()
-        # m += (1 - b1) (g - m) and v += (1 - b2) (g^2 - v), on the gradient's entries only.
-        old_exp_avg = exp_avg.sparse_mask(grad)._values()
-        exp_avg_change = values.sub(old_exp_avg).mul_(1.0 - beta1)
-        exp_avg.add_(torch.sparse_coo_tensor(indices, exp_avg_change, size))
-        old_exp_avg_sq = exp_avg_sq.sparse_mask(grad)._values()
-        exp_avg_sq_change = values.pow(2).sub_(old_exp_avg_sq).mul_(1.0 - beta2)
-        exp_avg_sq.add_(torch.sparse_coo_tensor(indices, exp_avg_sq_change, size))
-        numer = exp_avg_change.add_(old_exp_avg)
-        denom = exp_avg_sq_change.add_(old_exp_avg_sq).sqrt_().add_(self.eps)
-        step = float(step_t.item())
-        bias_correction1 = 1.0 - beta1 ** step
-        bias_correction2 = 1.0 - beta2 ** step
-        step_size = lr * math.sqrt(bias_correction2) / bias_correction1
-        param.add_(torch.sparse_coo_tensor(indices, numer.div_(denom) * (-step_size), size))
+            gather(
+                self.live, self.params, self.state, self.groups, gradients, self.keys,
+                self.fills, self.scalars, "sparse",
+                "SparseAdam does not support dense gradients, please consider Adam instead",
+                False,
+            )
+            for ops in self.live:
+                for j in range(len(ops[0])):
+                    sparse_adam_update(
+                        ops[0][j], ops[1][j], ops[2][j], ops[3][j], ops[4][j], lr,
+                        self.betas[0], self.betas[1], self.eps, self.maximize,
+                    )
+            release(self.live)
