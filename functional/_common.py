@@ -80,6 +80,15 @@ def unknown_hyperparameter(cls_name: str, name: str, known: List[str]) -> str:
     return f"Invalid hyper-parameter name for {cls_name}: '{name}' (expected one of {known})"
 
 
+def new_lr(lr_tensor: Optional[Tensor], value: List[float]) -> float:
+    """The lr ``set_hyperparameter("lr", value)`` sets; a Tensor lr given to the constructor
+    takes the new value in place too, as a scheduler's change to a Tensor lr does."""
+    lr = scalar("lr", value)
+    if lr_tensor is not None:
+        lr_tensor.fill_(lr)
+    return lr
+
+
 def lr_of(lr: float, lr_tensor: Optional[Tensor]) -> float:
     """The learning rate in effect: the Tensor lr's current value when one was given."""
     if lr_tensor is not None:

@@ -14,6 +14,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    new_lr,
     checked_state,
     group_by_device_dtype,
     index_of,
@@ -257,10 +258,7 @@ class FunctionalAdafactor:
         (epsilon1, epsilon2), or one value, epsilon2, which sets epsilon1 to None.
         """
         if name == "lr":
-            self.lr = scalar(name, value)
-            lr_tensor = self.lr_tensor
-            if lr_tensor is not None:
-                lr_tensor.fill_(self.lr)
+            self.lr = new_lr(self.lr_tensor, value)
         elif name == "beta2_decay":
             self.beta2_decay = scalar(name, value)
         elif name == "eps":

@@ -7,6 +7,7 @@ from torch import Tensor
 from functional._compile import ensure_scripted
 from functional._validation import check_etas, check_lr, check_params, check_types
 from functional._common import (
+    new_lr,
     group_by_device_dtype,
     index_of,
     lr_float,
@@ -15,7 +16,6 @@ from functional._common import (
     one_gradient,
     optional_flag,
     pair,
-    scalar,
     unknown_hyperparameter,
 )
 from functional._kernels import (
@@ -134,10 +134,7 @@ class FunctionalRprop:
         only sets the first step size of parameters that have no state yet.
         """
         if name == "lr":
-            self.lr = scalar(name, value)
-            lr_tensor = self.lr_tensor
-            if lr_tensor is not None:
-                lr_tensor.fill_(self.lr)
+            self.lr = new_lr(self.lr_tensor, value)
         elif name == "etas":
             etas = pair(name, value)
             self.etas = (etas[0], etas[1])

@@ -14,6 +14,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    new_lr,
     checked_state,
     group_by_device_dtype,
     index_of,
@@ -246,10 +247,7 @@ class FunctionalSGD:
         Values are lists so that every class shares the signature (pairs take two).
         """
         if name == "lr":
-            self.lr = scalar(name, value)
-            lr_tensor = self.lr_tensor
-            if lr_tensor is not None:
-                lr_tensor.fill_(self.lr)
+            self.lr = new_lr(self.lr_tensor, value)
         elif name == "momentum":
             self.momentum = scalar(name, value)
         elif name == "dampening":

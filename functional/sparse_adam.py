@@ -15,6 +15,7 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
+    new_lr,
     group_by_device_dtype,
     index_of,
     lr_float,
@@ -135,10 +136,7 @@ class FunctionalSparseAdam:
         Values are lists so that every class shares the signature (betas take two).
         """
         if name == "lr":
-            self.lr = scalar(name, value)
-            lr_tensor = self.lr_tensor
-            if lr_tensor is not None:
-                lr_tensor.fill_(self.lr)
+            self.lr = new_lr(self.lr_tensor, value)
         elif name == "betas":
             betas = pair(name, value)
             self.betas = (betas[0], betas[1])
