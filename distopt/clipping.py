@@ -17,6 +17,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
+from distopt.context import check_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
 
@@ -64,8 +65,6 @@ def clip_grad_norm_(
             is changed.
         DistributedOptimizerError: some owners failed or could not be reached.
     """
-    from distopt.optimizer import check_context_id
-
     context_id = check_context_id(context_id)
     norm_type = float(norm_type)
     use_foreach = foreach is not False
@@ -124,8 +123,6 @@ def clip_grad_value_(
         TypeError, ValueError: a bad ``context_id`` (before any owner is contacted).
         DistributedOptimizerError: some owners failed or could not be reached.
     """
-    from distopt.optimizer import check_context_id
-
     context_id = check_context_id(context_id)
     clip_value = float(clip_value)
     use_foreach = foreach is not False
@@ -204,9 +201,7 @@ def _clamp(grads: List[Tensor], clip_value: float, foreach: bool) -> None:
 def _local_grads(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Tuple[List[int], List[Tensor]]:
     """(global indices, gradients) of this owner's parameters with a gradient in the context."""
     local = optimizer_rref.local_value()
-    try:
-        dist_autograd._retrieve_context(autograd_ctx_id)
-    except RuntimeError:
+    if not has_context(autograd_ctx_id):
         return [], []  # this owner took no part in the backward pass
     flat = [i for indices in local.global_indices for i in indices]
     positions, grads = _compiled(_context_grads)(autograd_ctx_id, local.params)

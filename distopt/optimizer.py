@@ -2,18 +2,17 @@
 import dataclasses
 import inspect
 import logging
-import operator
 import threading
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from distopt import checkpoint, clipping, exclusive, owner, state
+from distopt import _torch, checkpoint, clipping, exclusive, owner, state
 from distopt.arguments import check_arguments, check_optimizer_class
+from distopt.context import live_context
 from distopt.errors import compose_error
 from distopt.fanout import call_async, wait_all
 from distopt.param_groups import (
@@ -131,7 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         is_class = inspect.isclass(optimizer_class)
         functional_cls = functional_optim_map.get(optimizer_class) if is_class else None
         # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
-        jit_enabled = bool(torch.jit._state._enabled)
+        jit_enabled = _torch.jit_enabled()
         is_functional_optim = functional_cls is not None and (
             jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
         )
@@ -248,17 +247,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the step hooks need only these fields.
         """
         self.defaults: Dict[str, Any] = {}
-        self._optimizer_step_pre_hooks: Dict[int, Any] = {}
-        self._optimizer_step_post_hooks: Dict[int, Any] = {}
-        self._optimizer_state_dict_pre_hooks: Dict[int, Any] = {}
-        self._optimizer_state_dict_post_hooks: Dict[int, Any] = {}
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Any] = {}
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Any] = {}
-        self._patch_step_function()
         #: Always empty: the state lives on the owners (see ``state_dict``).
         self.state: Dict[Any, Any] = defaultdict(dict)
         self.param_groups: List[Dict[str, Any]] = []
-        self._warned_capturable_if_run_uncaptured = True
+        _torch.init_optimizer_internals(self)
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
         """Step every owner's local optimizer with the gradients of ``context_id``.
@@ -279,7 +271,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed, or could not be reached.
         """
         with self._lock:
-            context_id, context = _live_context(context_id)
+            context_id, context = live_context(context_id)
             self._before_step(context_id)
             changes = pending_changes(
                 self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
@@ -296,7 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 empty = _local_positions(part, empty_params) if empty_params else None
                 if part.script is not None and not local_changes:
                     if reached is None:
-                        reached = set(context._known_worker_ids())
+                        reached = set(_torch.known_worker_ids(context))
                         reached.add(self._worker_id)
                     # Only an owner this context reached surely holds it; another may hold
                     # it through a nested RPC, or not at all, which the locked path handles.
@@ -447,34 +439,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def owners(self) -> List[OwnerPart]:
         """The owners' parts, in the order their local optimizers were created."""
         return list(self._owners)
-
-
-def check_context_id(context_id: Any) -> int:
-    """``context_id`` as an int, if it names a live autograd context on this worker.
-
-    Raises:
-        TypeError: not an integer.
-        ValueError: no such live context.
-    """
-    return _live_context(context_id)[0]
-
-
-def _live_context(context_id: Any) -> Tuple[int, Any]:
-    """(``context_id`` as an int, the live autograd context it names); raises as above."""
-    try:
-        context_id = operator.index(context_id)
-    except TypeError:
-        raise TypeError(
-            f"Invalid context_id: {context_id!r} (expected an int, the id of a "
-            f"dist_autograd.context())"
-        ) from None
-    try:
-        return context_id, dist_autograd._retrieve_context(context_id)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"Invalid context_id: {context_id!r} (expected the id of a live "
-            f"dist_autograd.context() on this worker)"
-        ) from exc
 
 
 def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[int]]]:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
-
 from distopt import exclusive
+from distopt._torch import WeakIdKeyDictionary
+from distopt.context import has_context
 from distopt.errors import RemoteFailure, returns_failure
 from functional import load_torch_state_dict, to_torch_state_dict
 from functional._state import (
@@ -362,7 +362,7 @@ class LocalOptimizer:
         """``step_context``, where the parameters at positions ``empty[j]`` of local group
         ``j`` that the context gives no gradient (or that have no context here) step with
         ``empty_sparse_gradient``; unlocked."""
-        in_context = _has_context(autograd_ctx_id)
+        in_context = has_context(autograd_ctx_id)
         if self.module is not None:
             self.module.step_with_empty(autograd_ctx_id, in_context, empty)
         else:
@@ -751,18 +751,10 @@ def step_local_optimizer(
                 local.step_context(autograd_ctx_id)
         return None
     except Exception as exc:
-        if not empty and not _has_context(autograd_ctx_id):
+        # Asked only after a failure (one C++ call): an owner outside the context skips.
+        if not empty and not has_context(autograd_ctx_id):
             return None
         return RemoteFailure.from_exception(exc)
-
-
-def _has_context(autograd_ctx_id: int) -> bool:
-    # Asked after a failed step, or by a step with ``empty`` parameters (one C++ call).
-    try:
-        dist_autograd._retrieve_context(autograd_ctx_id)
-    except RuntimeError:
-        return False
-    return True
 
 
 def release_local_optimizer(optimizer_rref: rpc.RRef) -> None:

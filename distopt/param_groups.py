@@ -10,7 +10,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch._C._distributed_rpc import PyRRef
+
+from distopt._torch import PyRRef
 
 logger = logging.getLogger(__name__)
 
