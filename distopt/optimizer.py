@@ -13,8 +13,8 @@ from torch import Tensor
 from distopt import _torch, checkpoint, clipping, exclusive, owner, state
 from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.context import live_context
-from distopt.errors import compose_error
-from distopt.fanout import call_async, wait_all
+from distopt.errors import DistributedOptimizerError
+from distopt.fanout import Call, fan_out
 from distopt.param_groups import (
     as_keywords,
     normalize_param_groups,
@@ -188,13 +188,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                        (optimizer_class, specs(parts), args, kwargs, trainer))
                 for name, (info, parts) in by_owner.items()
             }
-        futures = {name: call_async(to, f, a, {}) for name, (to, f, a) in calls.items()}
-        results, failures, causes = wait_all(futures)
-        created = [r[0] for r in results.values()]
-        if failures:
-            _release(created)
-            del created, results, futures  # the traceback must not keep the RRefs alive
-            raise compose_error("construction", failures) from causes[0]
+        results = fan_out(
+            "construction", calls, partial=lambda done: _release([r[0] for r in done.values()])
+        )
 
         owners: List[OwnerPart] = []
         described: Dict[int, Dict[str, Any]] = {}
@@ -278,7 +274,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
             empty_params = self._empty_gradient_params(context_id)
             reached: Optional[Set[int]] = None
-            futures = {}
+            calls: Dict[str, Call] = {}
             for part in self._owners:
                 local_changes = [
                     (j, key, value)
@@ -298,7 +294,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         else:
                             target = exclusive.script_step_with_empty
                             args = (part.script, context_id, empty)
-                        futures[part.name] = call_async(part.info, target, args, {})
+                        calls[part.name] = (part.info, target, args)
                         continue
                 if empty is not None:
                     args = (part.id, context_id, local_changes or None, empty)
@@ -306,10 +302,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     args = (part.id, context_id, local_changes)
                 else:
                     args = (part.id, context_id)
-                futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
-            _, failures, causes = wait_all(futures)
-            if failures:
-                raise compose_error("step", failures) from causes[0]
+                calls[part.name] = (part.info, owner.step_local_optimizer, args)
+            fan_out("step", calls)
             for g, values in changes.items():
                 self._sent[g].update({k: snapshot(v) for k, v in values.items()})
 
@@ -450,12 +444,11 @@ def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[in
 
 def _release(optimizer_rrefs: List[rpc.RRef]) -> None:
     """Ask each owner to free a local optimizer now; failures are logged, not raised."""
-    futures = {
-        f"{rref.owner_name()}#{i}": call_async(
-            rref.owner(), owner.release_local_optimizer, (rref,), {}
-        )
-        for i, rref in enumerate(optimizer_rrefs)
-    }
-    _, failures, _ = wait_all(futures)
-    for name, message in failures.items():
-        logger.warning("could not release local optimizer %s: %s", name, message)
+    try:
+        fan_out("release", {
+            f"{rref.owner_name()}#{i}": (rref.owner(), owner.release_local_optimizer, (rref,))
+            for i, rref in enumerate(optimizer_rrefs)
+        })
+    except DistributedOptimizerError as exc:
+        for name, message in exc.failures.items():
+            logger.warning("could not release local optimizer %s: %s", name, message)

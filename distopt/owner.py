@@ -34,7 +34,8 @@ from torch import Tensor
 from distopt import exclusive
 from distopt._torch import WeakIdKeyDictionary
 from distopt.context import has_context
-from distopt.errors import RemoteFailure, returns_failure
+from distopt.errors import DistributedOptimizerError, RemoteFailure, returns_failure
+from distopt.fanout import fan_out
 from functional import load_torch_state_dict, to_torch_state_dict
 from functional._state import (
     checked_state,
@@ -672,30 +673,32 @@ def _revoke_exclusive(local: LocalOptimizer) -> None:
     if not doomed:
         return
     me = rpc.get_worker_info().name
-    futures = []
-    for other in doomed:
-        trainer_name, key = other.trainer
-        try:
-            fut = rpc.rpc_async(trainer_name, exclusive.switch_to_locked, args=(key, me))
-        except Exception as exc:  # unknown or shut-down worker
-            fut = torch.futures.Future()
-            fut.set_exception(exc)
-        futures.append(fut)
+    # Whether each one's trainer still has it: all replies, or those that came on a failure.
+    alive: Dict[str, bool] = {}
+    try:
+        alive = fan_out(
+            "switch_to_locked",
+            {
+                str(other.id): (other.trainer[0], exclusive.switch_to_locked,
+                                (other.trainer[1], me))
+                for other in doomed
+            },
+            partial=alive.update,
+        )
+    except DistributedOptimizerError as exc:  # a dead trainer can no longer step its optimizer
+        for other in doomed:
+            if str(other.id) in exc.failures:
+                logger.warning(
+                    "could not switch local optimizer %d of trainer %s to the locked path: %s",
+                    other.id, other.trainer[0], exc.failures[str(other.id)],
+                )
     gone = []
-    for other, fut in zip(doomed, futures):
-        try:
-            alive = fut.wait()
-        except Exception as exc:  # a dead trainer can no longer step its optimizer
-            logger.warning(
-                "could not switch local optimizer %d of trainer %s to the locked path: %s",
-                other.id, other.trainer[0], exc,
-            )
-            alive = True
+    for other in doomed:
         other.end_exclusive(
             f"Invalid step: local optimizer {other.id} on {me} now shares parameters "
             f"(expected its trainer to step it through the locks)"
         )
-        if not alive:
+        if not alive.get(str(other.id), True):
             gone.append(other)
     for other in gone:
         other.close()
