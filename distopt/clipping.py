@@ -8,7 +8,6 @@ scales its gradients in place. ``clip_grad_value_`` takes one round.
 ``dist_autograd.get_gradients`` returns the context's own gradient tensors (not copies), so
 scaling them in place is what the next ``step(context_id)`` reads.
 """
-import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -23,8 +22,6 @@ from distopt.fanout import fan_out
 
 if TYPE_CHECKING:
     from distopt.optimizer import DistributedOptimizer
-
-logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- trainer side

@@ -77,21 +77,11 @@ _param_locks: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _sequence = itertools.count()
 
 
-def locks_for(params: List[Tensor]) -> List[threading.Lock]:
-    """The distinct locks of ``params`` in acquisition order, creating one for new params.
-
-    Args:
-        params: the parameters an optimizer will update.
-
-    Returns:
-        The locks, sorted by sequence number.
-    """
-    with _registry_lock:
-        return [pl.lock for pl in _param_locks_for(params)]
-
-
 def _param_locks_for(params: List[Tensor]) -> List[_ParamLock]:
-    """``locks_for``'s entries themselves; the caller holds ``_registry_lock``."""
+    """The distinct locks of ``params``, in acquisition order; new params get one new lock.
+
+    The caller holds ``_registry_lock``.
+    """
     new = [p for p in params if p not in _param_locks]
     if new:
         shared = _ParamLock(next(_sequence))
@@ -219,11 +209,6 @@ class _CompiledLocalOptimizer(torch.nn.Module):
         self.optims[group].set_hyperparameter(name, value)
 
     @torch.jit.export
-    def get_state(self, group: int) -> Dict[int, Dict[str, Tensor]]:
-        """One group's state (the tensors themselves)."""
-        return self.optims[group].state
-
-    @torch.jit.export
     def check_state(
         self, group: int, state: Dict[int, Dict[str, Tensor]]
     ) -> Dict[int, Dict[str, Tensor]]:
@@ -320,7 +305,6 @@ class LocalOptimizer:
         trainer: (worker name, key) of the DistributedOptimizer that created this one, for
             ``distopt.exclusive.switch_to_locked``; None when no trainer can be switched.
         exclusive: whether its trainer may step it without the locks (``script_step``).
-        python_steps: how many steps the locked Python path has taken (under the locks).
     """
 
     def __init__(
@@ -337,7 +321,6 @@ class LocalOptimizer:
         self.params = [p for ps in group_params for p in ps]
         self.global_indices = global_indices
         self.trainer = trainer
-        self.python_steps = 0
         with _registry_lock:
             self._param_locks = _param_locks_for(self.params)
             sharers = {lo for pl in self._param_locks for lo in pl.users}
@@ -742,7 +725,6 @@ def step_local_optimizer(
         else:
             local = optimizer.local_value()
         with holding(local.locks):
-            local.python_steps += 1
             if changes:
                 try:
                     local.apply_changes(changes)

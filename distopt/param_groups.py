@@ -5,15 +5,12 @@ hyper-parameter). At each step it compares them with what it last sent to the ow
 piggybacks the differences on that step's RPC, so a scheduler's change costs no extra round.
 """
 import inspect
-import logging
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from distopt._torch import PyRRef
-
-logger = logging.getLogger(__name__)
 
 
 def normalize_param_groups(params_rref: Iterable[Any]) -> List[Dict[str, Any]]:

@@ -15,7 +15,6 @@ lookups made for averaging optimizers record their rows here, per context and sh
 the optimizer steps.
 """
 import itertools
-import logging
 import threading
 import weakref
 from typing import Dict, List, Tuple
@@ -29,8 +28,6 @@ from torch import Tensor
 from distopt.context import current_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.sparse.partition import Partition
-
-logger = logging.getLogger(__name__)
 
 # Weak: the trainer's RRef (through the OwnerRRef here) keeps a shard alive.
 _shards: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()

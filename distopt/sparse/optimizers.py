@@ -52,7 +52,6 @@ lookups (see ``distopt.sparse._owner``), so the embeddings record them on their 
 per-row means in place; then the usual step runs. That costs one more round of RPCs per
 step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
 """
-import logging
 from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
@@ -63,8 +62,6 @@ from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
 from distopt.sparse.embedding import ShardedEmbedding, tables_with_gradient
-
-logger = logging.getLogger(__name__)
 
 #: What ``duplicates`` may be: torch's rule (sum) or DGL's (mean).
 DUPLICATES = ("sum", "mean")

@@ -221,11 +221,6 @@ def release_lock(param_rref: rpc.RRef) -> None:
 
 
 
-def python_steps(optimizer_rref: rpc.RRef) -> int:
-    """How many steps the local optimizer took through the locked Python path."""
-    return optimizer_rref.local_value().python_steps
-
-
 def is_exclusive(optimizer_rref: rpc.RRef) -> bool:
     """Whether the local optimizer may be stepped without its locks."""
     return optimizer_rref.local_value().exclusive
