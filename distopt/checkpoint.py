@@ -371,11 +371,9 @@ def stage_shards(
             if saved_id not in wanted:
                 continue
             i = wanted[saved_id]
-            state.check_values(
-                i, entry, shapes[i], repr(saved_id), "checkpoint", local.module is not None
-            )
+            state.check_values(i, entry, shapes[i], repr(saved_id), "checkpoint", local.compiled)
             # Eager torch.optim keeps the tensors it is given: copy them out of the mapping.
-            staged[i] = entry if local.module is not None else {
+            staged[i] = entry if local.compiled else {
                 k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()
             }
     local.check_torch_state(staged)

@@ -314,7 +314,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _empty_gradient_params(self, context_id: int) -> Set[int]:
         """The global indices of the parameters that this step must update even where the
         context holds no gradient for them, with a sparse gradient holding no rows
-        (``distopt.owner.empty_sparse_gradient``); told to their owners with the step's RPC.
+        (``distopt.local_optimizer.empty_sparse_gradient``); told to their owners with the
+        step's RPC.
 
         Nothing here: a parameter without a gradient is skipped, as torch.optim skips a
         ``None`` ``.grad``. The sharded-table optimizers name every shard of a table that

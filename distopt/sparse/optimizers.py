@@ -18,9 +18,9 @@ momentum buffer, which moves every row it holds at each step. All of it advances
 the table's ``.grad`` is set, whichever rows that gradient holds. So at each step the
 trainer names, in the step's one RPC per owner, the shards of every table that got a
 gradient in the context; an owner whose shard got no rows steps it with a sparse gradient
-holding none (``distopt.owner.empty_sparse_gradient``), which is what torch's step does with
-the rest of the table, and every shard's count stays the table's count, in ``state_dict``
-and checkpoints too. A table got a gradient when the backward pass reached any of its
+holding none (``distopt.local_optimizer.empty_sparse_gradient``), which is what torch's
+step does with the rest of the table, and every shard's count stays the table's count, in
+``state_dict`` and checkpoints too. A table got a gradient when the backward pass reached any of its
 lookups made in the context: empty lookups count (as ``nn.Embedding``'s), lookups whose
 output never reached the loss and tables not looked up do not. The trainer tells that from
 its own copy of the context, without an RPC: every lookup is joined with a leaf of the table
