@@ -9,7 +9,7 @@ scales its gradients in place. ``clip_grad_value_`` takes one round.
 scaling them in place is what the next ``step(context_id)`` reads.
 """
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -19,23 +19,21 @@ from torch import Tensor
 from distopt.context import check_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
-
-if TYPE_CHECKING:
-    from distopt.optimizer import DistributedOptimizer
+from distopt.layout import OwnerPart
 
 
 # ---------------------------------------------------------------- trainer side
 
 
 def clip_grad_norm_(
-    opt: "DistributedOptimizer",
+    owners: Sequence[OwnerPart],
     context_id: int,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
 ) -> Tensor:
-    r"""Scale the context's gradients of ``opt``'s parameters to a total norm of at most ``max_norm``.
+    r"""Scale the context's gradients of the owners' parameters to a total norm <= ``max_norm``.
 
     .. math::
         \|g\|_p = \Big(\sum_i \|g_i\|_p^p\Big)^{1/p}, \qquad
@@ -45,7 +43,7 @@ def clip_grad_norm_(
     context are left out, as ``.grad = None`` is by torch.
 
     Args:
-        opt: the optimizer whose parameters' gradients to clip.
+        owners: the local optimizers whose parameters' gradients to clip.
         context_id: the live autograd context holding the gradients.
         max_norm: the largest total norm allowed.
         norm_type: ``p`` of the p-norm; ``float("inf")`` for the largest magnitude.
@@ -71,7 +69,7 @@ def clip_grad_norm_(
             part.name: (
                 part.info, local_grad_norms, (part.rref, context_id, norm_type, use_foreach)
             )
-            for part in opt.owners
+            for part in owners
         },
     )
     indexed: List[Tuple[int, Tensor]] = []
@@ -96,7 +94,7 @@ def clip_grad_norm_(
             part.name: (
                 part.info, scale_local_grads, (part.rref, context_id, clip_coef, use_foreach)
             )
-            for part in opt.owners
+            for part in owners
             if replies[part.name][0]  # owners with no gradient have nothing to scale
         },
     )
@@ -104,14 +102,17 @@ def clip_grad_norm_(
 
 
 def clip_grad_value_(
-    opt: "DistributedOptimizer", context_id: int, clip_value: float, foreach: Optional[bool] = None
+    owners: Sequence[OwnerPart],
+    context_id: int,
+    clip_value: float,
+    foreach: Optional[bool] = None,
 ) -> None:
-    """Clamp the context's gradients of ``opt``'s parameters to ``[-clip_value, clip_value]``.
+    """Clamp the context's gradients of the owners' parameters to ``[-clip_value, clip_value]``.
 
     One round of RPCs, in parallel; as :func:`torch.nn.utils.clip_grad_value_`.
 
     Args:
-        opt: the optimizer whose parameters' gradients to clip.
+        owners: the local optimizers whose parameters' gradients to clip.
         context_id: the live autograd context holding the gradients.
         clip_value: the largest magnitude allowed.
         foreach: ``False`` clamps one gradient at a time; otherwise the foreach kernels.
@@ -129,7 +130,7 @@ def clip_grad_value_(
             part.name: (
                 part.info, clamp_local_grads, (part.rref, context_id, clip_value, use_foreach)
             )
-            for part in opt.owners
+            for part in owners
         },
     )
 

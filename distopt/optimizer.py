@@ -1,5 +1,9 @@
-"""The trainer's side: DistributedOptimizer groups parameters by owner and fans steps out."""
-import dataclasses
+"""The trainer's side: DistributedOptimizer groups parameters by owner and fans steps out.
+
+It holds what it learnt at construction in a ``distopt.layout.Layout`` and hands that, with
+its param groups, to the modules that run its other rounds (``distopt.state``,
+``distopt.checkpoint``, ``distopt.clipping``), which never import this one.
+"""
 import inspect
 import logging
 import threading
@@ -15,7 +19,9 @@ from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.context import live_context
 from distopt.errors import DistributedOptimizerError
 from distopt.fanout import Call, fan_out
+from distopt.layout import Layout, OwnerPart
 from distopt.param_groups import (
+    TrainerGroups,
     as_keywords,
     normalize_param_groups,
     pending_changes,
@@ -25,33 +31,6 @@ from distopt.param_groups import (
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class OwnerPart:
-    """What the trainer keeps about one owner's local optimizer.
-
-    Attributes:
-        info: the owner.
-        rref: its local optimizer.
-        id: the local optimizer's key on the owner, sent with every step instead of the RRef.
-        groups: the global param group of each of its local groups.
-        indices: for each local group, the global indices of its parameters.
-        script: while the local optimizer is exclusive, the RRef that
-            ``distopt.exclusive.script_step`` steps it through; None: the locked path.
-    """
-
-    info: rpc.WorkerInfo
-    rref: rpc.RRef
-    id: int
-    groups: List[int]
-    indices: List[List[int]]
-    script: Optional[rpc.RRef] = None
-
-    @property
-    def name(self) -> str:
-        """The owner's worker name."""
-        return self.info.name
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -165,7 +144,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 rrefs.append(rref)
                 indices.append(n)
                 n += 1
-        self._group_indices = group_indices
 
         def specs(parts: Dict[int, Tuple[list, list]]) -> List[owner.GroupSpec]:
             return [
@@ -218,10 +196,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     part.script = None
             self._owners = owners
         self.remote_optimizers: List[rpc.RRef] = [part.rref for part in self._owners]
-        self._param_shapes: List[torch.Size] = [shapes[i] for i in range(n)]
-        self._param_dtypes: List[torch.dtype] = [dtypes[i] for i in range(n)]
-        self._settable: Optional[List[str]] = settable
-        self._hyper_keys: List[str] = list(described[0])
+        self._layout = Layout(
+            optimizer_class=optimizer_class,
+            owners=self._owners,
+            group_indices=group_indices,
+            param_shapes=[shapes[i] for i in range(n)],
+            param_dtypes=[dtypes[i] for i in range(n)],
+            hyper_keys=list(described[0]),
+            settable=settable,
+        )
 
         for g, group in enumerate(user_groups):
             extra = {k: v for k, v in group.items() if k != "params" and k not in described[g]}
@@ -230,10 +213,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.defaults = eager_defaults
         else:
             self.defaults = signature_defaults(
-                optimizer_class, args, kwargs, self._hyper_keys
+                optimizer_class, args, kwargs, self._layout.hyper_keys
             ) or {k: v for k, v in described[0].items() if k not in user_groups[0]}
+        #: For each group, the hyper-parameter values the owners have.
         self._sent: List[Dict[str, Any]] = [
-            {k: snapshot(group[k]) for k in self._hyper_keys} for group in self.param_groups
+            {k: snapshot(group[k]) for k in self._layout.hyper_keys}
+            for group in self.param_groups
         ]
 
     def _init_optimizer_fields(self) -> None:
@@ -270,7 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             context_id, context = live_context(context_id)
             self._before_step(context_id)
             changes = pending_changes(
-                self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+                self.param_groups, self._sent, self._layout.settable, self.optimizer_class.__name__
             )
             empty_params = self._empty_gradient_params(context_id)
             reached: Optional[Set[int]] = None
@@ -368,7 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed or could not be reached.
         """
         with self._lock:
-            return state.gather_state_dict(self)
+            return state.gather_state_dict(self._layout, self.param_groups)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer.
@@ -387,7 +372,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed or could not be reached.
         """
         with self._lock:
-            state.load_state_dict(self, state_dict)
+            state.load_state_dict(self._layout, self._trainer_groups(), state_dict)
 
     def save(self, path: str) -> Dict[str, Any]:
         """Write a sharded checkpoint into the directory ``path``; see :mod:`distopt.checkpoint`.
@@ -396,12 +381,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The manifest written.
         """
         with self._lock:
-            return checkpoint.save(self, path)
+            return checkpoint.save(self._layout, self.param_groups, path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save``; see :mod:`distopt.checkpoint`."""
         with self._lock:
-            checkpoint.load(self, path)
+            checkpoint.load(self._layout, self._trainer_groups(), path)
 
     def clip_grad_norm_(
         self,
@@ -417,7 +402,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             return clipping.clip_grad_norm_(
-                self, context_id, max_norm, norm_type, error_if_nonfinite, foreach
+                self._owners, context_id, max_norm, norm_type, error_if_nonfinite, foreach
             )
 
     def clip_grad_value_(
@@ -428,12 +413,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         As :func:`torch.nn.utils.clip_grad_value_`; see :func:`distopt.clipping.clip_grad_value_`.
         """
         with self._lock:
-            clipping.clip_grad_value_(self, context_id, clip_value, foreach)
+            clipping.clip_grad_value_(self._owners, context_id, clip_value, foreach)
 
     @property
     def owners(self) -> List[OwnerPart]:
         """The owners' parts, in the order their local optimizers were created."""
         return list(self._owners)
+
+    def _trainer_groups(self) -> TrainerGroups:
+        """The param groups and the values the owners hold, for a round that loads state."""
+        layout = self._layout
+        # A saved group must hold every key the owners' optimizers keep: for an eager one,
+        # every key of its defaults.
+        required = layout.hyper_keys if layout.compiled else list(self.defaults)
+        return TrainerGroups(self.param_groups, self._sent, required)
 
 
 def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[int]]]:
