@@ -153,7 +153,7 @@ def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
             f"Invalid checkpoint path: {path!r} (expected a directory holding {MANIFEST})"
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"Invalid checkpoint: {manifest_path!r} is not a {FORMAT} manifest")
+        raise ValueError(f"Invalid checkpoint: {manifest_path!r} (expected a {FORMAT} manifest)")
     if manifest.get("version") != VERSION:
         raise ValueError(
             f"Invalid checkpoint: version {manifest.get('version')!r} (expected {VERSION})"

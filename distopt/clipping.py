@@ -80,6 +80,7 @@ def clip_grad_norm_(
     indexed.sort(key=lambda pair: pair[0])
     total_norm = torch.linalg.vector_norm(torch.stack([n for _, n in indexed]), norm_type)
     if error_if_nonfinite and (total_norm.isnan() or total_norm.isinf()):
+        # torch.nn.utils.clip_grad_norm_'s own words, kept for code that matches them.
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             f"non-finite, so it cannot be clipped. To disable this error and scale the "

@@ -337,8 +337,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             NotImplementedError: always; build a new DistributedOptimizer instead.
         """
         raise NotImplementedError(
-            "DistributedOptimizer.add_param_group is not supported (expected all param "
-            "groups at construction)"
+            "Invalid add_param_group: a DistributedOptimizer's owners build their optimizers "
+            "once (expected every param group at construction)"
         )
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]

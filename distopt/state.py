@@ -96,7 +96,7 @@ def check_groups(
         if missing:
             raise ValueError(
                 f"Invalid {what}: param_groups[{g}] lacks {missing!r}, so it is not a "
-                f"{name} state_dict"
+                f"{name} state_dict (expected every key of a {name} param group)"
             )
         if len(saved["params"]) != len(indices):
             raise ValueError(
@@ -120,7 +120,10 @@ def check_groups(
     saved_ids = list(itertools.chain.from_iterable(g["params"] for g in groups))
     id_map = dict(zip(saved_ids, itertools.chain.from_iterable(layout.group_indices)))
     if len(id_map) != len(saved_ids):
-        raise ValueError(f"Invalid {what}: a parameter id appears twice in param_groups")
+        raise ValueError(
+            f"Invalid {what}: a parameter id appears twice in param_groups (expected each "
+            f"parameter id once)"
+        )
     return id_map
 
 

@@ -115,7 +115,7 @@ def _check_with_torch(torch_class: type, kwargs: Dict[str, Any]) -> None:
         ValueError: as ``torch_class`` raises it for these arguments.
     """
     probe = torch.zeros(1, requires_grad=True)
-    torch_class([probe], **kwargs)
+    torch_class([probe], **kwargs)  # torch.optim's own messages, kept: users know them
 
 
 class _SparseOptimizer(DistributedOptimizer):
