@@ -136,14 +136,15 @@ def _bind(
     if given > len(positional) and not any(p.kind is _P.VAR_POSITIONAL for p in params):
         low = sum(1 for p in positional if p.default is _P.empty)
         takes = f"{low}" if low == len(positional) else f"from {low} to {len(positional)}"
+        # Python's own words for a bad call, as the constructor would raise them (kept).
         raise TypeError(f"{where} takes {takes} positional arguments but {given} were given")
     by_name = {p.name: p for p in params if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
     var_keyword = any(p.kind is _P.VAR_KEYWORD for p in params)
     taken = {p.name for p in positional[:given]}
     for key in kwargs:
-        if key in taken:
+        if key in taken:  # Python's words, as above
             raise TypeError(f"{where} got multiple values for argument {key!r}")
-        if key not in by_name and not var_keyword:
+        if key not in by_name and not var_keyword:  # Python's words, as above
             raise TypeError(f"{where} got an unexpected keyword argument {key!r}")
     try:
         return signature.bind(None, None, *args, **kwargs)

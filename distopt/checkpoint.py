@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed.rpc as rpc
@@ -41,9 +41,8 @@ from torch import Tensor
 from distopt import state
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
-
-if TYPE_CHECKING:
-    from distopt.optimizer import DistributedOptimizer
+from distopt.layout import Layout
+from distopt.param_groups import TrainerGroups
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +64,12 @@ def _hook(stage: str, path: str) -> None:
 # ---------------------------------------------------------------- trainer side
 
 
-def save(opt: "DistributedOptimizer", path: str) -> Dict[str, Any]:
-    """Write ``opt``'s state into the directory ``path``: shards in parallel, then the manifest.
+def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str) -> Dict[str, Any]:
+    """Write the state into the directory ``path``: shards in parallel, then the manifest.
 
     Args:
-        opt: the optimizer.
+        layout: the optimizer's owners and parameters.
+        param_groups: the trainer's param groups.
         path: a directory (created if missing) on a filesystem every owner shares.
 
     Returns:
@@ -83,7 +83,10 @@ def save(opt: "DistributedOptimizer", path: str) -> Dict[str, Any]:
         OSError: the trainer could not write the manifest; the previous checkpoint is intact.
     """
     path = os.path.abspath(path)
-    groups = [_encode(g, f"param_groups[{i}]") for i, g in enumerate(state.group_dicts(opt))]
+    groups = [
+        _encode(g, f"param_groups[{i}]")
+        for i, g in enumerate(state.group_dicts(layout, param_groups))
+    ]
     os.makedirs(path, exist_ok=True)
     generation = uuid.uuid4().hex[:16]
     calls = {
@@ -91,7 +94,7 @@ def save(opt: "DistributedOptimizer", path: str) -> Dict[str, Any]:
             part.info, write_shard, (part.rref, path, _shard_name(generation, k, part.name),
                                      generation),
         )
-        for k, part in enumerate(opt.owners)
+        for k, part in enumerate(layout.owners)
     }
     try:
         written = fan_out("save", calls)
@@ -100,11 +103,11 @@ def save(opt: "DistributedOptimizer", path: str) -> Dict[str, Any]:
             "format": FORMAT,
             "version": VERSION,
             "generation": generation,
-            "optimizer_class": _class_name(opt.optimizer_class),
+            "optimizer_class": _class_name(layout.optimizer_class),
             "param_groups": groups,
             "params": [
                 {"shape": list(shape), "dtype": str(dtype).replace("torch.", "")}
-                for shape, dtype in zip(opt._param_shapes, opt._param_dtypes)
+                for shape, dtype in zip(layout.param_shapes, layout.param_dtypes)
             ],
             "shards": [{"owner": name, **info} for name, info in written.items()],
         }
@@ -116,16 +119,23 @@ def save(opt: "DistributedOptimizer", path: str) -> Dict[str, Any]:
         _remove(path, lambda name: _generation_of(name) == generation)
         raise
     _remove(path, lambda name: _generation_of(name) not in (None, generation))
-    logger.info("saved %s shard(s) of %s into %s", len(written), type(opt).__name__, path)
+    logger.info(
+        "saved %s shard(s) of %s into %s", len(written), layout.optimizer_class.__name__, path
+    )
     return manifest
 
 
-def load(opt: "DistributedOptimizer", path: str) -> None:
-    """Restore the checkpoint in ``path`` into ``opt``.
+def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
+    """Restore the checkpoint in ``path``.
 
     The manifest is checked on the trainer (class, groups, parameter counts and shapes);
     then every owner reads and checks its part in parallel; only when all have succeeded
-    does any owner change its state.
+    does any owner change its state, and the trainer its param groups.
+
+    Args:
+        layout: the optimizer's owners and parameters.
+        trainer: the trainer's param groups and the values its owners hold.
+        path: the checkpoint directory.
 
     Raises:
         FileNotFoundError: ``path`` holds no manifest.
@@ -143,37 +153,37 @@ def load(opt: "DistributedOptimizer", path: str) -> None:
             f"Invalid checkpoint path: {path!r} (expected a directory holding {MANIFEST})"
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"Invalid checkpoint: {manifest_path!r} is not a {FORMAT} manifest")
+        raise ValueError(f"Invalid checkpoint: {manifest_path!r} (expected a {FORMAT} manifest)")
     if manifest.get("version") != VERSION:
         raise ValueError(
             f"Invalid checkpoint: version {manifest.get('version')!r} (expected {VERSION})"
         )
-    expected_class = _class_name(opt.optimizer_class)
+    expected_class = _class_name(layout.optimizer_class)
     if manifest["optimizer_class"] != expected_class:
         raise ValueError(
             f"Invalid checkpoint: written by a {manifest['optimizer_class']} optimizer "
             f"(expected {expected_class})"
         )
     groups = [_decode(g) for g in manifest["param_groups"]]
-    id_map = state.check_groups(opt, groups, what="checkpoint")
+    id_map = state.check_groups(layout, trainer, groups, what="checkpoint")
     saved_params = manifest["params"]
-    if len(saved_params) != len(opt._param_shapes):
+    if len(saved_params) != len(layout.param_shapes):
         raise ValueError(
             f"Invalid checkpoint: {len(saved_params)} parameters (expected "
-            f"{len(opt._param_shapes)})"
+            f"{len(layout.param_shapes)})"
         )
     for saved_id, i in id_map.items():
         shape = tuple(saved_params[saved_id]["shape"])
-        if shape != tuple(opt._param_shapes[i]):
+        if shape != tuple(layout.param_shapes[i]):
             raise ValueError(
                 f"Invalid checkpoint: parameter {i} has shape {shape} (expected "
-                f"{tuple(opt._param_shapes[i])})"
+                f"{tuple(layout.param_shapes[i])})"
             )
     file_of = {i: shard["file"] for shard in manifest["shards"] for i in shard["params"]}
     saved_id_of = {i: saved_id for saved_id, i in id_map.items()}
     token = uuid.uuid4().hex
     stage_calls = {}
-    for part in opt.owners:
+    for part in layout.owners:
         wanted = {saved_id_of[i]: i for indices in part.indices for i in indices}
         files = sorted({file_of[s] for s in wanted if s in file_of})
         stage_calls[part.name] = (
@@ -181,7 +191,7 @@ def load(opt: "DistributedOptimizer", path: str) -> None:
             (part.rref, path, files, manifest["generation"], wanted, token),
         )
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    state.stage_and_commit(opt, "load", stage_calls, token, hyper)
+    state.stage_and_commit(layout, trainer, "load", stage_calls, token, hyper)
 
 
 def _class_name(cls: type) -> str:
@@ -371,11 +381,9 @@ def stage_shards(
             if saved_id not in wanted:
                 continue
             i = wanted[saved_id]
-            state.check_values(
-                i, entry, shapes[i], repr(saved_id), "checkpoint", local.module is not None
-            )
+            state.check_values(i, entry, shapes[i], repr(saved_id), "checkpoint", local.compiled)
             # Eager torch.optim keeps the tensors it is given: copy them out of the mapping.
-            staged[i] = entry if local.module is not None else {
+            staged[i] = entry if local.compiled else {
                 k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()
             }
     local.check_torch_state(staged)

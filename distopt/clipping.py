@@ -8,36 +8,32 @@ scales its gradients in place. ``clip_grad_value_`` takes one round.
 ``dist_autograd.get_gradients`` returns the context's own gradient tensors (not copies), so
 scaling them in place is what the next ``step(context_id)`` reads.
 """
-import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
+from distopt.context import check_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
-
-if TYPE_CHECKING:
-    from distopt.optimizer import DistributedOptimizer
-
-logger = logging.getLogger(__name__)
+from distopt.layout import OwnerPart
 
 
 # ---------------------------------------------------------------- trainer side
 
 
 def clip_grad_norm_(
-    opt: "DistributedOptimizer",
+    owners: Sequence[OwnerPart],
     context_id: int,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
 ) -> Tensor:
-    r"""Scale the context's gradients of ``opt``'s parameters to a total norm of at most ``max_norm``.
+    r"""Scale the context's gradients of the owners' parameters to a total norm <= ``max_norm``.
 
     .. math::
         \|g\|_p = \Big(\sum_i \|g_i\|_p^p\Big)^{1/p}, \qquad
@@ -47,7 +43,7 @@ def clip_grad_norm_(
     context are left out, as ``.grad = None`` is by torch.
 
     Args:
-        opt: the optimizer whose parameters' gradients to clip.
+        owners: the local optimizers whose parameters' gradients to clip.
         context_id: the live autograd context holding the gradients.
         max_norm: the largest total norm allowed.
         norm_type: ``p`` of the p-norm; ``float("inf")`` for the largest magnitude.
@@ -64,8 +60,6 @@ def clip_grad_norm_(
             is changed.
         DistributedOptimizerError: some owners failed or could not be reached.
     """
-    from distopt.optimizer import check_context_id
-
     context_id = check_context_id(context_id)
     norm_type = float(norm_type)
     use_foreach = foreach is not False
@@ -75,7 +69,7 @@ def clip_grad_norm_(
             part.name: (
                 part.info, local_grad_norms, (part.rref, context_id, norm_type, use_foreach)
             )
-            for part in opt.owners
+            for part in owners
         },
     )
     indexed: List[Tuple[int, Tensor]] = []
@@ -86,6 +80,7 @@ def clip_grad_norm_(
     indexed.sort(key=lambda pair: pair[0])
     total_norm = torch.linalg.vector_norm(torch.stack([n for _, n in indexed]), norm_type)
     if error_if_nonfinite and (total_norm.isnan() or total_norm.isinf()):
+        # torch.nn.utils.clip_grad_norm_'s own words, kept for code that matches them.
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             f"non-finite, so it cannot be clipped. To disable this error and scale the "
@@ -100,7 +95,7 @@ def clip_grad_norm_(
             part.name: (
                 part.info, scale_local_grads, (part.rref, context_id, clip_coef, use_foreach)
             )
-            for part in opt.owners
+            for part in owners
             if replies[part.name][0]  # owners with no gradient have nothing to scale
         },
     )
@@ -108,14 +103,17 @@ def clip_grad_norm_(
 
 
 def clip_grad_value_(
-    opt: "DistributedOptimizer", context_id: int, clip_value: float, foreach: Optional[bool] = None
+    owners: Sequence[OwnerPart],
+    context_id: int,
+    clip_value: float,
+    foreach: Optional[bool] = None,
 ) -> None:
-    """Clamp the context's gradients of ``opt``'s parameters to ``[-clip_value, clip_value]``.
+    """Clamp the context's gradients of the owners' parameters to ``[-clip_value, clip_value]``.
 
     One round of RPCs, in parallel; as :func:`torch.nn.utils.clip_grad_value_`.
 
     Args:
-        opt: the optimizer whose parameters' gradients to clip.
+        owners: the local optimizers whose parameters' gradients to clip.
         context_id: the live autograd context holding the gradients.
         clip_value: the largest magnitude allowed.
         foreach: ``False`` clamps one gradient at a time; otherwise the foreach kernels.
@@ -124,8 +122,6 @@ def clip_grad_value_(
         TypeError, ValueError: a bad ``context_id`` (before any owner is contacted).
         DistributedOptimizerError: some owners failed or could not be reached.
     """
-    from distopt.optimizer import check_context_id
-
     context_id = check_context_id(context_id)
     clip_value = float(clip_value)
     use_foreach = foreach is not False
@@ -135,7 +131,7 @@ def clip_grad_value_(
             part.name: (
                 part.info, clamp_local_grads, (part.rref, context_id, clip_value, use_foreach)
             )
-            for part in opt.owners
+            for part in owners
         },
     )
 
@@ -204,9 +200,7 @@ def _clamp(grads: List[Tensor], clip_value: float, foreach: bool) -> None:
 def _local_grads(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Tuple[List[int], List[Tensor]]:
     """(global indices, gradients) of this owner's parameters with a gradient in the context."""
     local = optimizer_rref.local_value()
-    try:
-        dist_autograd._retrieve_context(autograd_ctx_id)
-    except RuntimeError:
+    if not has_context(autograd_ctx_id):
         return [], []  # this owner took no part in the backward pass
     flat = [i for indices in local.global_indices for i in indices]
     positions, grads = _compiled(_context_grads)(autograd_ctx_id, local.params)

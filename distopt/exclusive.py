@@ -58,7 +58,7 @@ def script_step_with_empty(
 ) -> None:
     """TorchScript RPC target: ``script_step``, where the parameters at positions
     ``empty[j]`` of local group ``j`` step even without a gradient in the context, with one
-    holding no rows (see ``distopt.owner.empty_sparse_gradient``)."""
+    holding no rows (see ``distopt.local_optimizer.empty_sparse_gradient``)."""
     optimizer.local_value().step_exclusive_with_empty(autograd_ctx_id, empty)
 
 

@@ -1,34 +1,33 @@
-"""The trainer's side of every round: one RPC per owner, all in flight at once, one error.
+"""Every round of RPCs: one ``rpc_async`` per worker, all in flight at once, one error.
 
-Each round (construct, step, state_dict, save, clip, ...) sends one ``rpc_async`` per owner,
-waits for every future, and turns the owners' failures into one
+Each round (construct, step, release, state_dict, save, clip, ... on the trainer; an
+owner's nested calls to trainers when it revokes exclusivity) sends one ``rpc_async`` per
+worker, waits for every future, and turns the failures into one
 :class:`~distopt.errors.DistributedOptimizerError` that names each failing worker.
 """
-import logging
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from distopt.errors import RemoteFailure, compose_error, transport_message
 
-logger = logging.getLogger(__name__)
+#: One call of a round: (destination, RPC target, positional arguments); the destination
+#: is a WorkerInfo or a worker name.
+Call = Tuple[Union[rpc.WorkerInfo, str], Callable[..., Any], tuple]
 
-#: One call of a round: (destination, RPC target, positional arguments).
-Call = Tuple[rpc.WorkerInfo, Callable[..., Any], tuple]
 
-
-def call_async(to: rpc.WorkerInfo, func: Any, args: tuple, kwargs: Dict[str, Any]) -> Future:
+def _call_async(to: Union[rpc.WorkerInfo, str], func: Any, args: tuple) -> Future:
     """``rpc_async``, with an error raised at the call turned into a failed future."""
     try:
-        return rpc.rpc_async(to, func, args=args, kwargs=kwargs)
+        return rpc.rpc_async(to, func, args=args, kwargs={})
     except Exception as exc:
         failed: Future = Future()
         failed.set_exception(exc)
         return failed
 
 
-def wait_all(
+def _wait_all(
     futures: Dict[str, Future]
 ) -> Tuple[Dict[str, Any], Dict[str, str], List[BaseException]]:
     """Wait for every future; returns (results, worker -> message, causes in worker order)."""
@@ -50,22 +49,32 @@ def wait_all(
     return results, failures, causes
 
 
-def fan_out(action: str, calls: Dict[str, Call]) -> Dict[str, Any]:
-    """Make every call at once and wait for all of them.
+def fan_out(
+    action: str,
+    calls: Dict[str, Call],
+    partial: Optional[Callable[[Dict[str, Any]], None]] = None,
+) -> Dict[str, Any]:
+    """Make every call at once and wait for all of them: one round of RPCs.
 
     Args:
         action: what the round does, for the error message (``"state_dict"``, ``"save"``...).
-        calls: worker name -> (destination, RPC target, arguments).
+        calls: name (a worker's, or any key) -> (destination, RPC target, arguments).
+        partial: when some calls fail, called with the results of those that succeeded
+            before the error is raised (to release what they created, say).
 
     Returns:
-        worker name -> the target's result, in the order of ``calls``.
+        name -> the target's result, in the order of ``calls``.
 
     Raises:
-        DistributedOptimizerError: some workers failed or could not be reached; every call
-            has finished by then.
+        DistributedOptimizerError: some calls failed or could not be made; every call has
+            finished by then.
     """
-    futures = {name: call_async(to, func, args, {}) for name, (to, func, args) in calls.items()}
-    results, failures, causes = wait_all(futures)
+    futures = {name: _call_async(to, func, args) for name, (to, func, args) in calls.items()}
+    results, failures, causes = _wait_all(futures)
     if failures:
+        if partial is not None:
+            partial(results)
+        # The traceback keeps this frame: it must not keep the results (RRefs) alive.
+        del results, futures
         raise compose_error(action, failures) from causes[0]
     return results

@@ -1,22 +1,27 @@
-"""The trainer's side: DistributedOptimizer groups parameters by owner and fans steps out."""
-import dataclasses
+"""The trainer's side: DistributedOptimizer groups parameters by owner and fans steps out.
+
+It holds what it learnt at construction in a ``distopt.layout.Layout`` and hands that, with
+its param groups, to the modules that run its other rounds (``distopt.state``,
+``distopt.checkpoint``, ``distopt.clipping``), which never import this one.
+"""
 import inspect
 import logging
-import operator
 import threading
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from distopt import checkpoint, clipping, exclusive, owner, state
+from distopt import _torch, checkpoint, clipping, exclusive, owner, state
 from distopt.arguments import check_arguments, check_optimizer_class
-from distopt.errors import compose_error
-from distopt.fanout import call_async, wait_all
+from distopt.context import live_context
+from distopt.errors import DistributedOptimizerError
+from distopt.fanout import Call, fan_out
+from distopt.layout import Layout, OwnerPart
 from distopt.param_groups import (
+    TrainerGroups,
     as_keywords,
     normalize_param_groups,
     pending_changes,
@@ -26,33 +31,6 @@ from distopt.param_groups import (
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class OwnerPart:
-    """What the trainer keeps about one owner's local optimizer.
-
-    Attributes:
-        info: the owner.
-        rref: its local optimizer.
-        id: the local optimizer's key on the owner, sent with every step instead of the RRef.
-        groups: the global param group of each of its local groups.
-        indices: for each local group, the global indices of its parameters.
-        script: while the local optimizer is exclusive, the RRef that
-            ``distopt.exclusive.script_step`` steps it through; None: the locked path.
-    """
-
-    info: rpc.WorkerInfo
-    rref: rpc.RRef
-    id: int
-    groups: List[int]
-    indices: List[List[int]]
-    script: Optional[rpc.RRef] = None
-
-    @property
-    def name(self) -> str:
-        """The owner's worker name."""
-        return self.info.name
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -131,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         is_class = inspect.isclass(optimizer_class)
         functional_cls = functional_optim_map.get(optimizer_class) if is_class else None
         # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
-        jit_enabled = bool(torch.jit._state._enabled)
+        jit_enabled = _torch.jit_enabled()
         is_functional_optim = functional_cls is not None and (
             jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
         )
@@ -166,7 +144,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 rrefs.append(rref)
                 indices.append(n)
                 n += 1
-        self._group_indices = group_indices
 
         def specs(parts: Dict[int, Tuple[list, list]]) -> List[owner.GroupSpec]:
             return [
@@ -189,13 +166,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                        (optimizer_class, specs(parts), args, kwargs, trainer))
                 for name, (info, parts) in by_owner.items()
             }
-        futures = {name: call_async(to, f, a, {}) for name, (to, f, a) in calls.items()}
-        results, failures, causes = wait_all(futures)
-        created = [r[0] for r in results.values()]
-        if failures:
-            _release(created)
-            del created, results, futures  # the traceback must not keep the RRefs alive
-            raise compose_error("construction", failures) from causes[0]
+        results = fan_out(
+            "construction", calls, partial=lambda done: _release([r[0] for r in done.values()])
+        )
 
         owners: List[OwnerPart] = []
         described: Dict[int, Dict[str, Any]] = {}
@@ -223,10 +196,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     part.script = None
             self._owners = owners
         self.remote_optimizers: List[rpc.RRef] = [part.rref for part in self._owners]
-        self._param_shapes: List[torch.Size] = [shapes[i] for i in range(n)]
-        self._param_dtypes: List[torch.dtype] = [dtypes[i] for i in range(n)]
-        self._settable: Optional[List[str]] = settable
-        self._hyper_keys: List[str] = list(described[0])
+        self._layout = Layout(
+            optimizer_class=optimizer_class,
+            owners=self._owners,
+            group_indices=group_indices,
+            param_shapes=[shapes[i] for i in range(n)],
+            param_dtypes=[dtypes[i] for i in range(n)],
+            hyper_keys=list(described[0]),
+            settable=settable,
+        )
 
         for g, group in enumerate(user_groups):
             extra = {k: v for k, v in group.items() if k != "params" and k not in described[g]}
@@ -235,10 +213,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.defaults = eager_defaults
         else:
             self.defaults = signature_defaults(
-                optimizer_class, args, kwargs, self._hyper_keys
+                optimizer_class, args, kwargs, self._layout.hyper_keys
             ) or {k: v for k, v in described[0].items() if k not in user_groups[0]}
+        #: For each group, the hyper-parameter values the owners have.
         self._sent: List[Dict[str, Any]] = [
-            {k: snapshot(group[k]) for k in self._hyper_keys} for group in self.param_groups
+            {k: snapshot(group[k]) for k in self._layout.hyper_keys}
+            for group in self.param_groups
         ]
 
     def _init_optimizer_fields(self) -> None:
@@ -248,17 +228,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the step hooks need only these fields.
         """
         self.defaults: Dict[str, Any] = {}
-        self._optimizer_step_pre_hooks: Dict[int, Any] = {}
-        self._optimizer_step_post_hooks: Dict[int, Any] = {}
-        self._optimizer_state_dict_pre_hooks: Dict[int, Any] = {}
-        self._optimizer_state_dict_post_hooks: Dict[int, Any] = {}
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Any] = {}
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Any] = {}
-        self._patch_step_function()
         #: Always empty: the state lives on the owners (see ``state_dict``).
         self.state: Dict[Any, Any] = defaultdict(dict)
         self.param_groups: List[Dict[str, Any]] = []
-        self._warned_capturable_if_run_uncaptured = True
+        _torch.init_optimizer_internals(self)
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
         """Step every owner's local optimizer with the gradients of ``context_id``.
@@ -279,14 +252,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed, or could not be reached.
         """
         with self._lock:
-            context_id, context = _live_context(context_id)
+            context_id, context = live_context(context_id)
             self._before_step(context_id)
             changes = pending_changes(
-                self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+                self.param_groups, self._sent, self._layout.settable, self.optimizer_class.__name__
             )
             empty_params = self._empty_gradient_params(context_id)
             reached: Optional[Set[int]] = None
-            futures = {}
+            calls: Dict[str, Call] = {}
             for part in self._owners:
                 local_changes = [
                     (j, key, value)
@@ -296,7 +269,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 empty = _local_positions(part, empty_params) if empty_params else None
                 if part.script is not None and not local_changes:
                     if reached is None:
-                        reached = set(context._known_worker_ids())
+                        reached = set(_torch.known_worker_ids(context))
                         reached.add(self._worker_id)
                     # Only an owner this context reached surely holds it; another may hold
                     # it through a nested RPC, or not at all, which the locked path handles.
@@ -306,7 +279,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         else:
                             target = exclusive.script_step_with_empty
                             args = (part.script, context_id, empty)
-                        futures[part.name] = call_async(part.info, target, args, {})
+                        calls[part.name] = (part.info, target, args)
                         continue
                 if empty is not None:
                     args = (part.id, context_id, local_changes or None, empty)
@@ -314,10 +287,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     args = (part.id, context_id, local_changes)
                 else:
                     args = (part.id, context_id)
-                futures[part.name] = call_async(part.info, owner.step_local_optimizer, args, {})
-            _, failures, causes = wait_all(futures)
-            if failures:
-                raise compose_error("step", failures) from causes[0]
+                calls[part.name] = (part.info, owner.step_local_optimizer, args)
+            fan_out("step", calls)
             for g, values in changes.items():
                 self._sent[g].update({k: snapshot(v) for k, v in values.items()})
 
@@ -328,7 +299,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _empty_gradient_params(self, context_id: int) -> Set[int]:
         """The global indices of the parameters that this step must update even where the
         context holds no gradient for them, with a sparse gradient holding no rows
-        (``distopt.owner.empty_sparse_gradient``); told to their owners with the step's RPC.
+        (``distopt.local_optimizer.empty_sparse_gradient``); told to their owners with the
+        step's RPC.
 
         Nothing here: a parameter without a gradient is skipped, as torch.optim skips a
         ``None`` ``.grad``. The sharded-table optimizers name every shard of a table that
@@ -365,8 +337,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             NotImplementedError: always; build a new DistributedOptimizer instead.
         """
         raise NotImplementedError(
-            "DistributedOptimizer.add_param_group is not supported (expected all param "
-            "groups at construction)"
+            "Invalid add_param_group: a DistributedOptimizer's owners build their optimizers "
+            "once (expected every param group at construction)"
         )
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
@@ -381,7 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed or could not be reached.
         """
         with self._lock:
-            return state.gather_state_dict(self)
+            return state.gather_state_dict(self._layout, self.param_groups)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer.
@@ -400,7 +372,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed or could not be reached.
         """
         with self._lock:
-            state.load_state_dict(self, state_dict)
+            state.load_state_dict(self._layout, self._trainer_groups(), state_dict)
 
     def save(self, path: str) -> Dict[str, Any]:
         """Write a sharded checkpoint into the directory ``path``; see :mod:`distopt.checkpoint`.
@@ -409,12 +381,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The manifest written.
         """
         with self._lock:
-            return checkpoint.save(self, path)
+            return checkpoint.save(self._layout, self.param_groups, path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save``; see :mod:`distopt.checkpoint`."""
         with self._lock:
-            checkpoint.load(self, path)
+            checkpoint.load(self._layout, self._trainer_groups(), path)
 
     def clip_grad_norm_(
         self,
@@ -430,7 +402,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             return clipping.clip_grad_norm_(
-                self, context_id, max_norm, norm_type, error_if_nonfinite, foreach
+                self._owners, context_id, max_norm, norm_type, error_if_nonfinite, foreach
             )
 
     def clip_grad_value_(
@@ -441,40 +413,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         As :func:`torch.nn.utils.clip_grad_value_`; see :func:`distopt.clipping.clip_grad_value_`.
         """
         with self._lock:
-            clipping.clip_grad_value_(self, context_id, clip_value, foreach)
+            clipping.clip_grad_value_(self._owners, context_id, clip_value, foreach)
 
     @property
     def owners(self) -> List[OwnerPart]:
         """The owners' parts, in the order their local optimizers were created."""
         return list(self._owners)
 
-
-def check_context_id(context_id: Any) -> int:
-    """``context_id`` as an int, if it names a live autograd context on this worker.
-
-    Raises:
-        TypeError: not an integer.
-        ValueError: no such live context.
-    """
-    return _live_context(context_id)[0]
-
-
-def _live_context(context_id: Any) -> Tuple[int, Any]:
-    """(``context_id`` as an int, the live autograd context it names); raises as above."""
-    try:
-        context_id = operator.index(context_id)
-    except TypeError:
-        raise TypeError(
-            f"Invalid context_id: {context_id!r} (expected an int, the id of a "
-            f"dist_autograd.context())"
-        ) from None
-    try:
-        return context_id, dist_autograd._retrieve_context(context_id)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"Invalid context_id: {context_id!r} (expected the id of a live "
-            f"dist_autograd.context() on this worker)"
-        ) from exc
+    def _trainer_groups(self) -> TrainerGroups:
+        """The param groups and the values the owners hold, for a round that loads state."""
+        layout = self._layout
+        # A saved group must hold every key the owners' optimizers keep: for an eager one,
+        # every key of its defaults.
+        required = layout.hyper_keys if layout.compiled else list(self.defaults)
+        return TrainerGroups(self.param_groups, self._sent, required)
 
 
 def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[int]]]:
@@ -486,12 +438,11 @@ def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[in
 
 def _release(optimizer_rrefs: List[rpc.RRef]) -> None:
     """Ask each owner to free a local optimizer now; failures are logged, not raised."""
-    futures = {
-        f"{rref.owner_name()}#{i}": call_async(
-            rref.owner(), owner.release_local_optimizer, (rref,), {}
-        )
-        for i, rref in enumerate(optimizer_rrefs)
-    }
-    _, failures, _ = wait_all(futures)
-    for name, message in failures.items():
-        logger.warning("could not release local optimizer %s: %s", name, message)
+    try:
+        fan_out("release", {
+            f"{rref.owner_name()}#{i}": (rref.owner(), owner.release_local_optimizer, (rref,))
+            for i, rref in enumerate(optimizer_rrefs)
+        })
+    except DistributedOptimizerError as exc:
+        for name, message in exc.failures.items():
+            logger.warning("could not release local optimizer %s: %s", name, message)

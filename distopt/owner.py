@@ -1,576 +1,46 @@
-"""The owner's side: local optimizers over the parameters a worker owns, and their locks.
+"""The owner's RPC targets: create, step, change and release local optimizers.
 
-A local optimizer is either compiled (one functional optimizer per param group, inside one
-TorchScript module whose step reads the autograd context's gradients and runs without the
-GIL) or eager (any torch.optim class built with the param groups, fed through ``.grad``).
-Both are stepped by ``step_local_optimizer``, the function every locked step RPC calls: take
-the parameters' locks, apply any hyper-parameter changes the trainer piggybacked, make one
-call, release.
+Every locked step of every local optimizer, compiled or eager (``distopt.local_optimizer``),
+goes through ``step_local_optimizer``: take the parameters' locks (``distopt.locks``), apply
+any hyper-parameter changes the trainer piggybacked, make one call, release.
 
-Locks belong to parameters. The first optimizer to touch a parameter gives it, and every
-other new parameter in that optimizer, one fresh lock with the next sequence number; later
-optimizers reuse the locks already there. An optimizer takes its distinct locks in sequence
-order, so trainers over the same parameters serialize, optimizers over disjoint parameters
-run in parallel, and overlapping sets cannot deadlock.
-
-Each lock knows the live local optimizers that use it. A compiled optimizer that shares no
-lock with another is exclusive: its trainer steps it with ``distopt.exclusive.script_step``,
-no Python and no lock here. Creating an optimizer over a lock that an exclusive one uses
-first switches that one to the locked path (see ``distopt.exclusive``).
+A compiled optimizer that shares no lock with another is exclusive: its trainer steps it
+with ``distopt.exclusive.script_step``, no Python and no lock here. Creating an optimizer
+over a lock that an exclusive one uses first switches that one to the locked path
+(``_revoke_exclusive``).
 """
-import contextlib
-import inspect
-import itertools
 import logging
-import re
-import threading
-import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from distopt import exclusive
-from distopt.errors import RemoteFailure, returns_failure
-from functional import load_torch_state_dict, to_torch_state_dict
-from functional._state import (
-    checked_state,
-    functional_state,
-    group_keys,
-    hyperparameter_values,
-    settable_hyperparameters,
+from distopt.context import has_context
+from distopt.errors import DistributedOptimizerError, RemoteFailure, returns_failure
+from distopt.fanout import fan_out
+from distopt.local_optimizer import (
+    Change,
+    CompiledLocalOptimizer,
+    EagerLocalOptimizer,
+    LocalOptimizer,
+    live_by_id,
 )
+from distopt.locks import holding
 
 #: What the trainer sends for one local param group: (parameter RRefs, their global
 #: indices, the group's options as the user gave them, without "params").
 GroupSpec = Tuple[List[rpc.RRef], List[int], Dict[str, Any]]
-#: A piggybacked hyper-parameter change: (local group, name, new value).
-Change = Tuple[int, str, Any]
 
 logger = logging.getLogger(__name__)
 
-# TorchScript's compiler is not thread-safe; owners create optimizers on many RPC threads.
-_compile_lock = threading.Lock()
-
-
-class _ParamLock:
-    """A lock shared by a batch of parameters, ordered by when the batch was first seen.
-
-    ``users`` are the live local optimizers that take it (changed under ``_registry_lock``).
-    """
-
-    __slots__ = ("sequence", "lock", "users", "__weakref__")
-
-    def __init__(self, sequence: int) -> None:
-        self.sequence = sequence
-        self.lock = threading.Lock()
-        self.users: "weakref.WeakSet[LocalOptimizer]" = weakref.WeakSet()
-
-
-_registry_lock = threading.Lock()
-# Keyed by tensor identity: a plain WeakKeyDictionary compares tensors with ``==``.
-_param_locks: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_sequence = itertools.count()
-
-
-def locks_for(params: List[Tensor]) -> List[threading.Lock]:
-    """The distinct locks of ``params`` in acquisition order, creating one for new params.
-
-    Args:
-        params: the parameters an optimizer will update.
-
-    Returns:
-        The locks, sorted by sequence number.
-    """
-    with _registry_lock:
-        return [pl.lock for pl in _param_locks_for(params)]
-
-
-def _param_locks_for(params: List[Tensor]) -> List[_ParamLock]:
-    """``locks_for``'s entries themselves; the caller holds ``_registry_lock``."""
-    new = [p for p in params if p not in _param_locks]
-    if new:
-        shared = _ParamLock(next(_sequence))
-        for p in new:
-            _param_locks[p] = shared
-    distinct = {id(pl): pl for pl in (_param_locks[p] for p in params)}
-    return sorted(distinct.values(), key=lambda pl: pl.sequence)
-
-
-@contextlib.contextmanager
-def holding(locks: Sequence[threading.Lock]) -> Iterator[None]:
-    """Take ``locks`` in the order given; release them in reverse, whatever happens."""
-    taken = 0
-    try:
-        for lock in locks:
-            lock.acquire()
-            taken += 1
-        yield
-    finally:
-        for lock in reversed(locks[:taken]):
-            lock.release()
-
-
-def lock_of(param: Tensor) -> Optional[threading.Lock]:
-    """The lock guarding ``param``, or None if no optimizer has touched it."""
-    with _registry_lock:
-        entry = _param_locks.get(param)
-    return None if entry is None else entry.lock
-
-
-def empty_sparse_gradient(param: Tensor) -> Tensor:
-    """A sparse COO gradient of ``param`` holding no rows.
-
-    It is what ``embedding(..., sparse=True)`` gives a table for an empty lookup, and what
-    torch.optim steps with when a table's gradient holds rows of other shards only: the
-    step counts (SparseAdam's and Adagrad's ``step`` advance, SGD's momentum buffer decays
-    and moves the rows it holds), yet no row is added.
-    """
-    indices = torch.empty([1, 0], dtype=torch.int64, device=param.device)
-    values = param.new_empty([0] + list(param.shape[1:]))
-    return torch.sparse_coo_tensor(indices, values, param.shape)
-
-
-class _CompiledLocalOptimizer(torch.nn.Module):
-    """Functional optimizers, one per param group, stepped from an autograd context id.
-
-    Args:
-        functional_cls: the functional optimizer class.
-        group_params: the local parameters of each group, in the order the optimizer sees them.
-        group_kwargs: the constructor's keyword arguments for each group.
-        args: positional arguments for ``functional_cls``, after the parameters.
-    """
-
-    def __init__(
-        self,
-        functional_cls: type,
-        group_params: List[List[Tensor]],
-        group_kwargs: List[Dict[str, Any]],
-        args: tuple = (),
-    ) -> None:
-        super().__init__()
-        self.params = group_params
-        self.optims = [
-            functional_cls(ps, *args, **kw) for ps, kw in zip(group_params, group_kwargs)
-        ]
-        #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
-        #: stops being exclusive or is released, for a trainer that missed the switch.
-        self.refusal = ""
-
-    def forward(self, autograd_ctx_id: int) -> None:
-        self.step_context(autograd_ctx_id)
-
-    @torch.jit.export
-    def step_exclusive(self, autograd_ctx_id: int) -> None:
-        """``step_context`` without the locks, for an optimizer that nobody shares."""
-        if self.refusal != "":
-            raise RuntimeError(self.refusal)
-        self.step_context(autograd_ctx_id)
-
-    @torch.jit.export
-    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
-        """``step_with_empty`` without the locks, in a context this worker holds."""
-        if self.refusal != "":
-            raise RuntimeError(self.refusal)
-        self._step_gradients(dist_autograd.get_gradients(autograd_ctx_id), empty)
-
-    @torch.jit.export
-    def step_context(self, autograd_ctx_id: int) -> None:
-        """Step every group with the gradients the context holds; others are skipped."""
-        grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        for j in range(len(self.optims)):
-            # One dict lookup per parameter (get), not two (in, then []).
-            grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in self.params[j]]
-            self.optims[j].step(grads)
-
-    @torch.jit.export
-    def step_with_empty(
-        self, autograd_ctx_id: int, in_context: bool, empty: List[List[int]]
-    ) -> None:
-        """``step_context``, where the parameters at positions ``empty[j]`` of group ``j``
-        that the context gives no gradient step with a sparse gradient holding no rows.
-
-        ``in_context`` is False when this worker holds no such context: then every
-        parameter but those in ``empty`` is skipped.
-        """
-        grads_by_param = torch.jit.annotate(Dict[Tensor, Tensor], {})
-        if in_context:
-            grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        self._step_gradients(grads_by_param, empty)
-
-    def _step_gradients(
-        self, grads_by_param: Dict[Tensor, Tensor], empty: List[List[int]]
-    ) -> None:
-        for j in range(len(self.optims)):
-            params = self.params[j]
-            grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in params]
-            for k in empty[j]:
-                if grads[k] is None:
-                    grads[k] = empty_sparse_gradient(params[k])
-            self.optims[j].step(grads)
-
-    @torch.jit.export
-    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter (lr, betas, ...) of one group for the following steps."""
-        self.optims[group].set_hyperparameter(name, value)
-
-    @torch.jit.export
-    def get_state(self, group: int) -> Dict[int, Dict[str, Tensor]]:
-        """One group's state (the tensors themselves)."""
-        return self.optims[group].state
-
-    @torch.jit.export
-    def check_state(
-        self, group: int, state: Dict[int, Dict[str, Tensor]]
-    ) -> Dict[int, Dict[str, Tensor]]:
-        """One group's state checked as ``set_state`` would check it, changing nothing."""
-        optim = self.optims[group]
-        if hasattr(optim, "check_state"):
-            return optim.check_state(state)
-        return state
-
-    @torch.jit.export
-    def set_state(self, group: int, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Replace one group's whole state."""
-        self.optims[group].set_state(state)
-
-
-class _GroupView:
-    """One group of a compiled module, shaped as ``functional.load_torch_state_dict`` wants.
-
-    Attributes are read from a Python copy of the group's functional optimizer (TorchScript
-    hands class-typed attributes back as copies); changes go through the module's methods.
-    """
-
-    def __init__(self, module: Any, group: int) -> None:
-        self._module = module
-        self._group = group
-        self._copy = module.optims[group]
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._copy, name)
-
-    def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        self._module.set_hyperparameter(self._group, name, value)
-
-    def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
-        return self._module.check_state(self._group, state)
-
-    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        self._module.set_state(self._group, state)
-
-
-class _EagerStep:
-    """A torch.optim optimizer stepped from an autograd context through ``.grad``."""
-
-    def __init__(
-        self,
-        optim_cls: type,
-        group_params: List[List[Tensor]],
-        group_options: List[Dict[str, Any]],
-        args: tuple,
-        kwargs: Dict[str, Any],
-    ) -> None:
-        self.group_params = group_params
-        self.params = [p for ps in group_params for p in ps]
-        groups = [{"params": ps, **options} for ps, options in zip(group_params, group_options)]
-        self.optim = optim_cls(groups, *args, **kwargs)
-
-    def __call__(
-        self,
-        autograd_ctx_id: int,
-        empty: Optional[List[List[int]]] = None,
-        in_context: bool = True,
-    ) -> None:
-        """Step with the context's gradients; ``empty`` and ``in_context`` as in
-        ``_CompiledLocalOptimizer.step_with_empty``."""
-        grads_by_param = dist_autograd.get_gradients(autograd_ctx_id) if in_context else {}
-        try:
-            for p in self.params:
-                p.grad = grads_by_param.get(p)
-            for params, positions in zip(self.group_params, empty or []):
-                for k in positions:
-                    if params[k].grad is None:
-                        params[k].grad = empty_sparse_gradient(params[k])
-            self.optim.step()
-        finally:
-            for p in self.params:
-                p.grad = None
-
-
-class LocalOptimizer:
-    """What an owner keeps for one DistributedOptimizer: its groups, their step and locks.
-
-    Attributes:
-        group_params: the local parameters of each local group.
-        params: all of them, flattened in group order.
-        global_indices: for each local group, the trainer's indices of its parameters (the
-            order the DistributedOptimizer was given them, flattened over its groups).
-        locks: the parameters' distinct locks, in acquisition order.
-        module: the compiled module (functional path) or None (eager path).
-        optim: the torch.optim optimizer (eager path) or None (functional path).
-        optimizer_class: the class the user asked for (its state_dict format is used).
-        step_context: ``step_context(autograd_ctx_id)``, unlocked.
-        trainer: (worker name, key) of the DistributedOptimizer that created this one, for
-            ``distopt.exclusive.switch_to_locked``; None when no trainer can be switched.
-        exclusive: whether its trainer may step it without the locks (``script_step``).
-        python_steps: how many steps the locked Python path has taken (under the locks).
-    """
-
-    def __init__(
-        self,
-        group_params: List[List[Tensor]],
-        global_indices: List[List[int]],
-        step_context: Callable[[int], None],
-        optim: Any,
-        module: Optional[torch.nn.Module] = None,
-        optimizer_class: Optional[type] = None,
-        trainer: Optional[Tuple[str, int]] = None,
-    ) -> None:
-        self.group_params = group_params
-        self.params = [p for ps in group_params for p in ps]
-        self.global_indices = global_indices
-        self.trainer = trainer
-        self.python_steps = 0
-        with _registry_lock:
-            self._param_locks = _param_locks_for(self.params)
-            sharers = {lo for pl in self._param_locks for lo in pl.users}
-            for pl in self._param_locks:
-                pl.users.add(self)
-            self.exclusive = module is not None and trainer is not None and not sharers
-            #: The exclusive optimizers to switch to the locked path before this one steps.
-            self.to_revoke = [lo for lo in sharers if lo.exclusive]
-        self.locks = [pl.lock for pl in self._param_locks]
-        self.step_context = step_context
-        self.optim = optim
-        self.module = module
-        self.optimizer_class = optimizer_class
-        #: Checkpoint parts read and checked by ``distopt.checkpoint``, awaiting a commit.
-        self.staged: Dict[str, Any] = {}
-        #: The key steps use instead of the RRef: an int pickles cheaply, and an RRef sent
-        #: back to its owner costs the RRef protocol's extra messages at every step.
-        self.id = next(_ids)
-        _live_local_optimizers.add(self)
-        _by_id[self.id] = self
-
-    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
-        """``step_context``, where the parameters at positions ``empty[j]`` of local group
-        ``j`` that the context gives no gradient (or that have no context here) step with
-        ``empty_sparse_gradient``; unlocked."""
-        in_context = _has_context(autograd_ctx_id)
-        if self.module is not None:
-            self.module.step_with_empty(autograd_ctx_id, in_context, empty)
-        else:
-            self.step_context(autograd_ctx_id, empty, in_context)
-
-    def locked(self) -> "contextlib.AbstractContextManager[None]":
-        """Hold every lock of this optimizer's parameters."""
-        return holding(self.locks)
-
-    def apply_changes(self, changes: Sequence[Change]) -> None:
-        """Apply hyper-parameter changes; the caller holds the locks."""
-        for group, name, value in changes:
-            if self.module is not None:
-                self.module.set_hyperparameter(group, name, hyperparameter_values(name, value))
-            else:
-                self.optim.param_groups[group][name] = value
-
-    def hyperparameters(self) -> List[Dict[str, Any]]:
-        """Each local group's hyper-parameters as torch.optim's param_groups hold them."""
-        if self.module is None:
-            return [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
-        out = []
-        for j in range(len(self.group_params)):
-            obj = self.module.optims[j]
-            group = {}
-            for key in group_keys(self.optimizer_class):
-                if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
-                    group[key] = obj.lr_tensor.clone()
-                else:
-                    group[key] = getattr(obj, key)
-            out.append(group)
-        return out
-
-    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
-        """The state in torch.optim's format, keyed by global index.
-
-        The caller holds the locks. With ``copy`` the tensors are copies, one consistent
-        snapshot that later steps leave alone; without, they are the optimizer's own, to be
-        written out before the locks are released (no second copy of the state in memory).
-        """
-        out: Dict[int, Dict[str, Any]] = {}
-        if self.module is None:
-            flat = [i for indices in self.global_indices for i in indices]
-            for k, entry in self.optim.state_dict()["state"].items():
-                out[flat[k]] = {
-                    key: v.clone() if copy and isinstance(v, Tensor) else v
-                    for key, v in entry.items()
-                }
-            return out
-        for j, indices in enumerate(self.global_indices):
-            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=copy)
-            for k, entry in sd["state"].items():
-                out[indices[k]] = entry
-        return out
-
-    def load_torch_state(
-        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
-    ) -> None:
-        """Replace the state and hyper-parameters; the caller holds the locks.
-
-        Args:
-            hyperparameters: each local group's hyper-parameters, torch.optim's keys.
-            state: global index -> that parameter's state in torch.optim's format, for this
-                owner's parameters (any other entry is ignored).
-        """
-        if self.module is None:
-            flat = [i for indices in self.global_indices for i in indices]
-            position = {i: k for k, i in enumerate(flat)}
-            groups, start = [], 0
-            for j, indices in enumerate(self.global_indices):
-                groups.append(
-                    {**hyperparameters[j], "params": list(range(start, start + len(indices)))}
-                )
-                start += len(indices)
-            local_state = {position[i]: entry for i, entry in state.items() if i in position}
-            self.optim.load_state_dict({"state": local_state, "param_groups": groups})
-            return
-        for j, indices in enumerate(self.global_indices):
-            part = {
-                "state": {k: state[i] for k, i in enumerate(indices) if i in state},
-                "param_groups": [{**hyperparameters[j], "params": list(range(len(indices)))}],
-            }
-            load_torch_state_dict(_GroupView(self.module, j), self.optimizer_class, part)
-
-    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
-        """Check ``state`` (global index -> torch.optim entry) as loading it would; change nothing.
-
-        A compiled group's part goes through its functional optimizer's ``check_state``
-        (every key, shape, dtype and device); messages name parameters by global index. An
-        eager optimizer has no template: an entry must have the keys, shapes and dtypes of
-        the parameter's current state, or of its group's, where there is one (a fresh eager
-        optimizer takes what torch.optim's load_state_dict takes).
-
-        Raises:
-            ValueError: naming the parameter, the key and both values.
-        """
-        if self.module is None:
-            self._check_eager_state(state)
-            return
-        for j, indices in enumerate(self.global_indices):
-            view = _GroupView(self.module, j)
-            part = {k: state[i] for k, i in enumerate(indices) if i in state}
-            try:
-                checked_state(view, functional_state(view, part, copy=False))
-            except ValueError as exc:
-                raise ValueError(_global_indices(str(exc), indices)) from None
-
-    def _check_eager_state(self, state: Dict[int, Dict[str, Any]]) -> None:
-        current = self.torch_state(copy=False)
-        for indices in self.global_indices:
-            group_entry = next((current[i] for i in indices if i in current), None)
-            for i in indices:
-                entry = state.get(i)
-                model = current.get(i, group_entry)
-                if not entry or model is None:
-                    continue
-                missing = sorted(set(model) - set(entry))
-                if missing:
-                    raise ValueError(
-                        f"Invalid state[{i}]: no {missing[0]!r} (expected keys {sorted(model)}, "
-                        f"got {sorted(entry)})"
-                    )
-                for key, value in entry.items():
-                    want = model.get(key)
-                    if not (isinstance(value, Tensor) and isinstance(want, Tensor)):
-                        continue
-                    if i in current and value.shape != want.shape:
-                        raise ValueError(
-                            f"Invalid state[{i}][{key!r}]: shape {list(value.shape)} (expected "
-                            f"{list(want.shape)})"
-                        )
-                    if value.is_floating_point() != want.is_floating_point():
-                        raise ValueError(
-                            f"Invalid state[{i}][{key!r}]: dtype {value.dtype} (expected "
-                            f"{want.dtype})"
-                        )
-
-    def describe(self) -> Dict[str, Any]:
-        """What the trainer keeps about this optimizer: shapes, dtypes, hyper-parameters.
-
-        ``settable`` lists the keys a compiled optimizer can change between steps (None:
-        eager, every key); ``defaults`` is the eager optimizer's (None when compiled).
-        """
-        hyper = self.hyperparameters()
-        compiled = self.module is not None
-        return {
-            "shapes": [[tuple(p.shape) for p in ps] for ps in self.group_params],
-            "dtypes": [[p.dtype for p in ps] for ps in self.group_params],
-            "hyper": hyper,
-            "settable": (
-                settable_hyperparameters(_GroupView(self.module, 0), list(hyper[0]))
-                if compiled else None
-            ),
-            "defaults": None if compiled else dict(self.optim.defaults),
-        }
-
-    def end_exclusive(self, refusal: str) -> None:
-        """Refuse unlocked steps from now on, with ``refusal`` as the error's message."""
-        self.exclusive = False
-        module = self.module
-        if module is not None:
-            module.refusal = refusal
-
-    def close(self) -> None:
-        """Drop the optimizer and its state now, before the RRef protocol frees this object."""
-        _live_local_optimizers.discard(self)
-        _by_id.pop(self.id, None)
-        with _registry_lock:
-            for pl in self._param_locks:
-                pl.users.discard(self)
-            self._param_locks = []
-        # The trainer's RRef to the scripted module may outlive this object.
-        self.end_exclusive("Invalid local optimizer: it was released (expected a live one)")
-        self.step_context = _closed_step
-        self.group_params = []
-        self.params = []
-        self.global_indices = []
-        self.locks = []
-        self.optim = None
-        self.module = None
-        self.staged = {}
-
-
-def _global_indices(message: str, indices: List[int]) -> str:
-    """``message`` with a group's local ``state[k]`` / ``params[k]`` named by global index."""
-    return re.sub(
-        r"\b(state|params)\[(\d+)\]",
-        lambda m: f"{m.group(1)}[{indices[int(m.group(2))]}]",
-        message,
-    )
-
-
-def _closed_step(autograd_ctx_id: int, *more: Any) -> None:
-    raise RuntimeError("Invalid local optimizer: it was released (expected a live one)")
-
-
-_live_local_optimizers: "weakref.WeakSet[LocalOptimizer]" = weakref.WeakSet()
-# Weak: the trainer's RRef (through its OwnerRRef here) keeps a local optimizer alive.
-_by_id: "weakref.WeakValueDictionary[int, LocalOptimizer]" = weakref.WeakValueDictionary()
-_ids = itertools.count(1)
-
-
-def live_local_optimizers() -> List[LocalOptimizer]:
-    """The local optimizers on this worker that are neither released nor freed."""
-    return list(_live_local_optimizers)
-
 
 def _local_groups(specs: List[GroupSpec]) -> Tuple[List[List[Tensor]], List[List[int]]]:
+    """Each group's local parameters and global indices.
+
+    Raises:
+        ValueError: one tensor is given twice under different indices.
+    """
     group_params = [[rref.local_value() for rref in rrefs] for rrefs, _, _ in specs]
     seen: Dict[int, int] = {}
     for (_, indices, _), params in zip(specs, group_params):
@@ -605,26 +75,17 @@ def new_compiled_local_optimizer(
             new optimizer on the locked path.
 
     Returns:
-        (an RRef to the new ``LocalOptimizer``, its ``describe()``), or a ``RemoteFailure``.
-        The description's ``script`` is an RRef for ``distopt.exclusive.script_step`` when
-        the optimizer is exclusive, else None.
+        (an RRef to the new ``CompiledLocalOptimizer``, its ``describe()``), or a
+        ``RemoteFailure``. The description's ``script`` is an RRef for
+        ``distopt.exclusive.script_step`` when the optimizer is exclusive, else None.
     """
     group_params, global_indices = _local_groups(specs)
-    accepted = set(inspect.signature(functional_cls).parameters)
-    group_kwargs = [
-        {**kwargs, **{k: v for k, v in options.items() if k in accepted and k != "params"}}
-        for _, _, options in specs
-    ]
-    with _compile_lock:  # construction may compile the functional class too
-        module = _CompiledLocalOptimizer(functional_cls, group_params, group_kwargs, tuple(args))
-        scripted = torch.jit.script(module)
-    # The scripted module holds its own copies of the optimizers; keep only the module.
-    local = LocalOptimizer(
-        group_params, global_indices, scripted.step_context, None, scripted, optimizer_class,
-        trainer,
+    local = CompiledLocalOptimizer(
+        functional_cls, optimizer_class, group_params, global_indices,
+        [options for _, _, options in specs], args, kwargs, trainer,
     )
     _revoke_exclusive(local)
-    script = rpc.RRef(scripted, exclusive.ExclusiveStep) if local.exclusive else None
+    script = rpc.RRef(local.module, exclusive.ExclusiveStep) if local.exclusive else None
     return rpc.RRef(local), {**local.describe(), "id": local.id, "script": script}
 
 
@@ -642,14 +103,13 @@ def new_eager_local_optimizer(
     locks with, as a compiled one does.
 
     Returns:
-        (an RRef to the new ``LocalOptimizer``, its ``describe()``), or a ``RemoteFailure``.
+        (an RRef to the new ``EagerLocalOptimizer``, its ``describe()``), or a
+        ``RemoteFailure``.
     """
     group_params, global_indices = _local_groups(specs)
-    eager = _EagerStep(
-        optim_cls, group_params, [options for _, _, options in specs], tuple(args), kwargs
-    )
-    local = LocalOptimizer(
-        group_params, global_indices, eager, eager.optim, None, optim_cls, trainer
+    local = EagerLocalOptimizer(
+        optim_cls, group_params, global_indices, [options for _, _, options in specs],
+        tuple(args), kwargs, trainer,
     )
     _revoke_exclusive(local)
     return rpc.RRef(local), {**local.describe(), "id": local.id, "script": None}
@@ -672,39 +132,37 @@ def _revoke_exclusive(local: LocalOptimizer) -> None:
     if not doomed:
         return
     me = rpc.get_worker_info().name
-    futures = []
-    for other in doomed:
-        trainer_name, key = other.trainer
-        try:
-            fut = rpc.rpc_async(trainer_name, exclusive.switch_to_locked, args=(key, me))
-        except Exception as exc:  # unknown or shut-down worker
-            fut = torch.futures.Future()
-            fut.set_exception(exc)
-        futures.append(fut)
+    # Whether each one's trainer still has it: all replies, or those that came on a failure.
+    alive: Dict[str, bool] = {}
+    try:
+        alive = fan_out(
+            "switch_to_locked",
+            {
+                str(other.id): (other.trainer[0], exclusive.switch_to_locked,
+                                (other.trainer[1], me))
+                for other in doomed
+            },
+            partial=alive.update,
+        )
+    except DistributedOptimizerError as exc:  # a dead trainer can no longer step its optimizer
+        for other in doomed:
+            if str(other.id) in exc.failures:
+                logger.warning(
+                    "could not switch local optimizer %d of trainer %s to the locked path: %s",
+                    other.id, other.trainer[0], exc.failures[str(other.id)],
+                )
     gone = []
-    for other, fut in zip(doomed, futures):
-        try:
-            alive = fut.wait()
-        except Exception as exc:  # a dead trainer can no longer step its optimizer
-            logger.warning(
-                "could not switch local optimizer %d of trainer %s to the locked path: %s",
-                other.id, other.trainer[0], exc,
-            )
-            alive = True
+    for other in doomed:
         other.end_exclusive(
             f"Invalid step: local optimizer {other.id} on {me} now shares parameters "
             f"(expected its trainer to step it through the locks)"
         )
-        if not alive:
+        if not alive.get(str(other.id), True):
             gone.append(other)
     for other in gone:
         other.close()
-    if gone and local.module is not None and local.trainer is not None:
-        with _registry_lock:
-            # Whoever registered meanwhile saw ``local`` as not exclusive and is a user now.
-            local.exclusive = all(
-                lo is local for pl in local._param_locks for lo in pl.users
-            )
+    if gone:
+        local.regain_exclusive()
 
 
 def step_local_optimizer(
@@ -724,14 +182,15 @@ def step_local_optimizer(
         changes: hyper-parameter changes made on the trainer since the last step, or None.
         empty: for each local group, the positions of the parameters that step even when
             the context holds no gradient for them, with one holding no rows (a sharded
-            table whose gradient fell on other owners; see ``empty_sparse_gradient``).
+            table whose gradient fell on other owners; see
+            ``distopt.local_optimizer.empty_sparse_gradient``).
 
     Returns:
         None, or a ``RemoteFailure``.
     """
     try:
         if isinstance(optimizer, int):
-            local = _by_id.get(optimizer)
+            local = live_by_id.get(optimizer)
             if local is None:
                 raise RuntimeError(
                     f"Invalid local optimizer: id {optimizer!r} was released (expected a live one)"
@@ -739,7 +198,6 @@ def step_local_optimizer(
         else:
             local = optimizer.local_value()
         with holding(local.locks):
-            local.python_steps += 1
             if changes:
                 try:
                     local.apply_changes(changes)
@@ -751,18 +209,10 @@ def step_local_optimizer(
                 local.step_context(autograd_ctx_id)
         return None
     except Exception as exc:
-        if not empty and not _has_context(autograd_ctx_id):
+        # Asked only after a failure (one C++ call): an owner outside the context skips.
+        if not empty and not has_context(autograd_ctx_id):
             return None
         return RemoteFailure.from_exception(exc)
-
-
-def _has_context(autograd_ctx_id: int) -> bool:
-    # Asked after a failed step, or by a step with ``empty`` parameters (one C++ call).
-    try:
-        dist_autograd._retrieve_context(autograd_ctx_id)
-    except RuntimeError:
-        return False
-    return True
 
 
 def release_local_optimizer(optimizer_rref: rpc.RRef) -> None:
@@ -782,9 +232,12 @@ def set_local_hyperparameter(
         name: the hyper-parameter.
         value: its new value, as a list of floats.
         group: the local group to change; None changes every group.
+
+    Raises:
+        TypeError: the local optimizer is eager.
     """
     local = optimizer_rref.local_value()
-    if local.module is None:
+    if not isinstance(local, CompiledLocalOptimizer):
         raise TypeError(
             f"Invalid local optimizer: {type(local.optim).__name__} is eager "
             f"(expected a compiled functional optimizer)"
@@ -792,4 +245,4 @@ def set_local_hyperparameter(
     groups = range(len(local.group_params)) if group is None else [group]
     with holding(local.locks):
         for j in groups:
-            local.module.set_hyperparameter(j, name, value)
+            local.set_hyperparameter(j, name, value)

@@ -4,15 +4,33 @@ The trainer keeps ``param_groups`` as torch.optim does (dicts holding ``params``
 hyper-parameter). At each step it compares them with what it last sent to the owners and
 piggybacks the differences on that step's RPC, so a scheduler's change costs no extra round.
 """
+import dataclasses
 import inspect
-import logging
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch._C._distributed_rpc import PyRRef
 
-logger = logging.getLogger(__name__)
+from distopt._torch import PyRRef
+
+
+@dataclasses.dataclass
+class TrainerGroups:
+    """A trainer's param groups and the hyper-parameter values its owners hold.
+
+    What the rounds that read or replace hyper-parameters (``distopt.state``,
+    ``distopt.checkpoint``) take from a DistributedOptimizer.
+
+    Attributes:
+        param_groups: the optimizer's ``param_groups`` list itself: loading a state changes
+            its dicts in place, so that schedulers keep them.
+        sent: for each group, the values the owners have (loading replaces its items).
+        required: the keys a saved param group must hold to be one of this optimizer's.
+    """
+
+    param_groups: List[Dict[str, Any]]
+    sent: List[Dict[str, Any]]
+    required: Collection[str]
 
 
 def normalize_param_groups(params_rref: Iterable[Any]) -> List[Dict[str, Any]]:

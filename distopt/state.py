@@ -3,14 +3,15 @@
 The trainer holds no optimizer state. ``gather_state_dict`` asks every owner, in parallel,
 for its parameters' state (already keyed by the trainer's global parameter indices) and
 adds the trainer's ``param_groups``. ``load_state_dict`` checks everything against what
-the trainer learnt at construction (group keys, parameter counts, shapes), then has every
-owner check its part against its optimizer (keys, shapes, dtypes, devices: ``stage``) before
-any owner changes (``commit``); ``distopt.checkpoint.load`` uses the same two rounds.
+the trainer learnt at construction (its ``distopt.layout.Layout``: group keys, parameter
+counts, shapes), then has every owner check its part against its optimizer (keys, shapes,
+dtypes, devices: ``stage``) before any owner changes (``commit``);
+``distopt.checkpoint.load`` uses the same two rounds.
 """
 import itertools
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed.rpc as rpc
@@ -18,11 +19,9 @@ from torch import Tensor
 
 from distopt.errors import DistributedOptimizerError, returns_failure
 from distopt.fanout import fan_out
-from distopt.param_groups import same, snapshot
+from distopt.layout import Layout
+from distopt.param_groups import TrainerGroups, same, snapshot
 from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter
-
-if TYPE_CHECKING:
-    from distopt.optimizer import DistributedOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,49 +32,61 @@ _OWN_SHAPE_KEYS = ("row_var", "col_var", "variance")
 # ---------------------------------------------------------------- trainer side
 
 
-def gather_state_dict(opt: "DistributedOptimizer") -> Dict[str, Any]:
-    """``opt``'s state in torch.optim's format; one RPC per owner, all in parallel."""
+def gather_state_dict(layout: Layout, param_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The state in torch.optim's format; one RPC per owner, all in parallel.
+
+    Args:
+        layout: the optimizer's owners and parameters.
+        param_groups: the trainer's param groups.
+    """
     parts = fan_out(
         "state_dict",
-        {part.name: (part.info, local_state, (part.rref,)) for part in opt.owners},
+        {part.name: (part.info, local_state, (part.rref,)) for part in layout.owners},
     )
     merged: Dict[int, Dict[str, Any]] = {}
     for entries in parts.values():
         merged.update(entries)
     return {
         "state": {i: merged[i] for i in sorted(merged)},
-        "param_groups": group_dicts(opt),
+        "param_groups": group_dicts(layout, param_groups),
     }
 
 
-def group_dicts(opt: "DistributedOptimizer") -> List[Dict[str, Any]]:
+def group_dicts(layout: Layout, param_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The trainer's param groups as a state_dict holds them: parameters as global indices."""
     return [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(indices)}
-        for group, indices in zip(opt.param_groups, opt._group_indices)
+        for group, indices in zip(param_groups, layout.group_indices)
     ]
 
 
 def check_groups(
-    opt: "DistributedOptimizer", groups: Any, what: str = "state_dict"
+    layout: Layout, trainer: TrainerGroups, groups: Any, what: str = "state_dict"
 ) -> Dict[Any, int]:
-    """Check saved param groups against ``opt``'s; returns saved id -> global index.
+    """Check saved param groups against the trainer's; returns saved id -> global index.
+
+    Args:
+        layout: the optimizer's owners and parameters.
+        trainer: the trainer's param groups and the values its owners hold.
+        groups: the saved param groups.
+        what: "state_dict" or "checkpoint", for messages.
 
     Raises:
         ValueError: another number of groups or of parameters in a group, keys of another
             class, or a change to a hyper-parameter the compiled optimizer fixes.
     """
-    name = opt.optimizer_class.__name__
+    name = layout.optimizer_class.__name__
+    sent = trainer.sent
     if not isinstance(groups, (list, tuple)):
         raise ValueError(
             f"Invalid {what}: param_groups is {type(groups).__name__} (expected a list)"
         )
-    if len(groups) != len(opt.param_groups):
+    if len(groups) != len(trainer.param_groups):
         raise ValueError(
-            f"Invalid {what}: {len(groups)} param groups (expected {len(opt.param_groups)})"
+            f"Invalid {what}: {len(groups)} param groups (expected {len(trainer.param_groups)})"
         )
-    required = set(opt.defaults) if opt._settable is None else set(opt._hyper_keys)
-    for g, (saved, indices) in enumerate(zip(groups, opt._group_indices)):
+    required = set(trainer.required)
+    for g, (saved, indices) in enumerate(zip(groups, layout.group_indices)):
         if not isinstance(saved, dict) or "params" not in saved:
             raise ValueError(
                 f"Invalid {what}: param_groups[{g}] is not a param group (expected a dict "
@@ -85,31 +96,34 @@ def check_groups(
         if missing:
             raise ValueError(
                 f"Invalid {what}: param_groups[{g}] lacks {missing!r}, so it is not a "
-                f"{name} state_dict"
+                f"{name} state_dict (expected every key of a {name} param group)"
             )
         if len(saved["params"]) != len(indices):
             raise ValueError(
                 f"Invalid {what}: param_groups[{g}] holds {len(saved['params'])} parameters "
                 f"(expected {len(indices)})"
             )
-        for key in opt._hyper_keys:
-            if key in saved and not same(saved[key], opt._sent[g][key]):
+        for key in layout.hyper_keys:
+            if key in saved and not same(saved[key], sent[g][key]):
                 where = f"{what}: param_groups[{g}]"
-                check_hyperparameter(opt.optimizer_class, key, saved[key], where)
-        if opt._settable is not None:
-            for key in opt._hyper_keys:
+                check_hyperparameter(layout.optimizer_class, key, saved[key], where)
+        if layout.settable is not None:
+            for key in layout.hyper_keys:
                 if key in IMPLEMENTATION_KEYS:
                     continue
-                if key not in opt._settable and not same(saved[key], opt._sent[g][key]):
+                if key not in layout.settable and not same(saved[key], sent[g][key]):
                     raise ValueError(
                         f"Invalid {what}: param_groups[{g}][{key!r}] is {saved[key]!r} "
-                        f"(expected {opt._sent[g][key]!r}: the compiled {name} cannot change "
+                        f"(expected {sent[g][key]!r}: the compiled {name} cannot change "
                         f"{key} after construction)"
                     )
     saved_ids = list(itertools.chain.from_iterable(g["params"] for g in groups))
-    id_map = dict(zip(saved_ids, itertools.chain.from_iterable(opt._group_indices)))
+    id_map = dict(zip(saved_ids, itertools.chain.from_iterable(layout.group_indices)))
     if len(id_map) != len(saved_ids):
-        raise ValueError(f"Invalid {what}: a parameter id appears twice in param_groups")
+        raise ValueError(
+            f"Invalid {what}: a parameter id appears twice in param_groups (expected each "
+            f"parameter id once)"
+        )
     return id_map
 
 
@@ -155,15 +169,22 @@ def check_values(
             )
 
 
-def load_state_dict(opt: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
-    """Check ``state_dict`` whole on the trainer, then send each owner its part in parallel."""
+def load_state_dict(layout: Layout, trainer: TrainerGroups, state_dict: Dict[str, Any]) -> None:
+    """Check ``state_dict`` whole on the trainer, then send each owner its part in parallel.
+
+    Args:
+        layout: the optimizer's owners and parameters.
+        trainer: the trainer's param groups and the values its owners hold; replaced by the
+            loaded ones once every owner has loaded its part.
+        state_dict: torch.optim's format.
+    """
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(
             f"Invalid state_dict: keys {got!r} (expected ['param_groups', 'state'])"
         )
     groups = state_dict["param_groups"]
-    id_map = check_groups(opt, groups)
+    id_map = check_groups(layout, trainer, groups)
     saved_state = state_dict["state"]
     if not isinstance(saved_state, dict):
         raise ValueError(
@@ -178,20 +199,21 @@ def load_state_dict(opt: "DistributedOptimizer", state_dict: Dict[str, Any]) -> 
             )
         i = id_map[saved_id]
         check_values(
-            i, entry, opt._param_shapes[i], repr(saved_id), "state_dict", opt._settable is not None
+            i, entry, layout.param_shapes[i], repr(saved_id), "state_dict", layout.compiled
         )
         by_index[i] = entry
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     token = uuid.uuid4().hex
     stage_calls = {}
-    for part in opt.owners:
+    for part in layout.owners:
         mine = {i: by_index[i] for indices in part.indices for i in indices if i in by_index}
         stage_calls[part.name] = (part.info, stage_local_state, (part.rref, mine, token))
-    stage_and_commit(opt, "load_state_dict", stage_calls, token, hyper)
+    stage_and_commit(layout, trainer, "load_state_dict", stage_calls, token, hyper)
 
 
 def stage_and_commit(
-    opt: "DistributedOptimizer",
+    layout: Layout,
+    trainer: TrainerGroups,
     action: str,
     stage_calls: Dict[str, Any],
     token: str,
@@ -203,6 +225,14 @@ def stage_and_commit(
     checked under ``token``); only when all have succeeded does every owner replace its
     state and hyper-parameters with it, and the trainer adopt ``hyper``.
 
+    Args:
+        layout: the optimizer's owners and parameters.
+        trainer: the trainer's param groups and the values its owners hold.
+        action: the round's name, for messages.
+        stage_calls: worker name -> the owner's staging call.
+        token: names the staged parts.
+        hyper: the loaded hyper-parameters of each param group.
+
     Raises:
         InvalidStateError: owners refused their part (a ValueError naming each of them).
         DistributedOptimizerError: owners failed otherwise; nothing was changed.
@@ -210,7 +240,7 @@ def stage_and_commit(
     try:
         fan_out(action, stage_calls)
     except DistributedOptimizerError:
-        _discard(opt, action, token)
+        _discard(layout, action, token)
         raise
     fan_out(
         action,
@@ -218,34 +248,34 @@ def stage_and_commit(
             part.name: (
                 part.info, commit_staged, (part.rref, token, [hyper[g] for g in part.groups])
             )
-            for part in opt.owners
+            for part in layout.owners
         },
     )
-    adopt_groups(opt, hyper)
+    adopt_groups(layout, trainer, hyper)
 
 
-def _discard(opt: "DistributedOptimizer", action: str, token: str) -> None:
+def _discard(layout: Layout, action: str, token: str) -> None:
     try:
         fan_out(
             action,
-            {part.name: (part.info, discard_staged, (part.rref, token)) for part in opt.owners},
+            {part.name: (part.info, discard_staged, (part.rref, token)) for part in layout.owners},
         )
     except DistributedOptimizerError as exc:
         logger.warning("could not discard a staged state: %s", exc)
 
 
-def adopt_groups(opt: "DistributedOptimizer", hyper: List[Dict[str, Any]]) -> None:
+def adopt_groups(layout: Layout, trainer: TrainerGroups, hyper: List[Dict[str, Any]]) -> None:
     """Make the trainer's groups the loaded ones (in place, so schedulers keep them); a
     compiled optimizer keeps its own kernel choices (``IMPLEMENTATION_KEYS``)."""
-    for g, (group, values) in enumerate(zip(opt.param_groups, hyper)):
+    for g, (group, values) in enumerate(zip(trainer.param_groups, hyper)):
         params = group["params"]
         kept = {k: group[k] for k in IMPLEMENTATION_KEYS if k in group}
         group.clear()
         group.update(values)
-        if opt._settable is not None:
+        if layout.compiled:
             group.update(kept)
         group["params"] = params
-        opt._sent[g] = {k: snapshot(group[k]) for k in opt._hyper_keys if k in group}
+        trainer.sent[g] = {k: snapshot(group[k]) for k in layout.hyper_keys if k in group}
 
 
 # ---------------------------------------------------------------- owner side

@@ -15,7 +15,6 @@ lookups made for averaging optimizers record their rows here, per context and sh
 the optimizer steps.
 """
 import itertools
-import logging
 import threading
 import weakref
 from typing import Dict, List, Tuple
@@ -26,10 +25,9 @@ import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import Tensor
 
+from distopt.context import current_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.sparse.partition import Partition
-
-logger = logging.getLogger(__name__)
 
 # Weak: the trainer's RRef (through the OwnerRRef here) keeps a shard alive.
 _shards: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
@@ -105,9 +103,8 @@ def lookup(shard_id: int, rows: Tensor, track: bool = False) -> Tensor:
         The rows; outside an autograd context, detached (inference).
     """
     shard = shard_of(shard_id)
-    try:
-        context_id = dist_autograd._current_context()._context_id()
-    except RuntimeError:  # no context: inference, nothing to differentiate
+    context_id = current_context_id()
+    if context_id is None:  # no context: inference, nothing to differentiate
         return F.embedding(rows, shard.detach())
     if track:
         _record(context_id, shard_id, rows)
@@ -126,17 +123,9 @@ def _record(context_id: int, shard_id: int, rows: Tensor) -> None:
     with _lookups_lock:
         _lookups.setdefault((context_id, shard_id), []).append(rows)
         if len(_lookups) > _prune_at[0]:
-            for key in [k for k in _lookups if not _context_alive(k[0])]:
+            for key in [k for k in _lookups if not has_context(k[0])]:
                 del _lookups[key]
             _prune_at[0] = max(64, 2 * len(_lookups))
-
-
-def _context_alive(context_id: int) -> bool:
-    try:
-        dist_autograd._retrieve_context(context_id)
-    except RuntimeError:
-        return False
-    return True
 
 
 def tracked_records() -> int:
@@ -159,7 +148,7 @@ def average_duplicates(shard_ids: List[int], context_id: int) -> None:
     Returns:
         None, or a ``RemoteFailure`` naming what went wrong.
     """
-    gradients = dist_autograd.get_gradients(context_id) if _context_alive(context_id) else {}
+    gradients = dist_autograd.get_gradients(context_id) if has_context(context_id) else {}
     for shard_id in shard_ids:
         with _lookups_lock:
             records = _lookups.pop((context_id, shard_id), None)
@@ -179,17 +168,17 @@ def _mean_rows(grad: Tensor, looked_up: Tensor) -> Tensor:
     """
     rows, counts = torch.unique(looked_up, sorted=True, return_counts=True)
     summed = grad.coalesce()
-    grad_rows = summed._indices()[0]
+    grad_rows = summed.indices()[0]
     at = torch.searchsorted(rows, grad_rows).clamp_(max=rows.numel() - 1)
     if not torch.equal(rows[at], grad_rows):
         raise RuntimeError(
             "Invalid gradient: the shard has gradient rows no lookup in this context requested "
             "(expected its gradient to come from ShardedEmbedding lookups only)"
         )
-    values = summed._values()
+    values = summed.values()
     scale = counts[at].to(values.dtype).reshape([-1] + [1] * (values.dim() - 1))
     return torch.sparse_coo_tensor(
-        summed._indices(), values / scale, summed.shape, is_coalesced=True
+        summed.indices(), values / scale, summed.shape, is_coalesced=True
     )
 
 

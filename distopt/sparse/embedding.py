@@ -20,6 +20,8 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
+from distopt import _torch
+from distopt.context import current_context_id
 from distopt.fanout import fan_out
 from distopt.sparse import _owner
 from distopt.sparse.partition import PARTITIONS, Partition, make_partition
@@ -231,7 +233,7 @@ class ShardedEmbedding(nn.Module):
         """
         flat = self._check_indices(indices)
         shape = (*indices.shape, self.embedding_dim)
-        marked = _in_autograd_context()
+        marked = current_context_id() is not None
         if flat.numel() == 0:
             return self._joined([], marked).view(shape)
         owner_of = self._partition.owner_of(flat)
@@ -329,15 +331,6 @@ def tables_with_gradient(embeddings: Sequence[ShardedEmbedding], context_id: int
     return [emb._marker in gradients for emb in embeddings]
 
 
-def _in_autograd_context() -> bool:
-    """Whether this thread is inside a distributed autograd context."""
-    try:
-        dist_autograd._current_context()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _resolve_owners(owners: Sequence[Owner]) -> List[rpc.WorkerInfo]:
     """The owners' WorkerInfos, checked: a non-empty list of distinct, known workers.
 
@@ -352,7 +345,7 @@ def _resolve_owners(owners: Sequence[Owner]) -> List[rpc.WorkerInfo]:
         )
     if not owners:
         raise ValueError("Invalid owners: [] (expected at least one worker)")
-    if not rpc.api._is_current_rpc_agent_set():
+    if not _torch.rpc_initialized():
         raise RuntimeError(
             "Invalid state: torch.distributed.rpc is not initialized (expected rpc.init_rpc "
             "before a ShardedEmbedding is built)"

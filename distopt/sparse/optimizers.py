@@ -18,9 +18,9 @@ momentum buffer, which moves every row it holds at each step. All of it advances
 the table's ``.grad`` is set, whichever rows that gradient holds. So at each step the
 trainer names, in the step's one RPC per owner, the shards of every table that got a
 gradient in the context; an owner whose shard got no rows steps it with a sparse gradient
-holding none (``distopt.owner.empty_sparse_gradient``), which is what torch's step does with
-the rest of the table, and every shard's count stays the table's count, in ``state_dict``
-and checkpoints too. A table got a gradient when the backward pass reached any of its
+holding none (``distopt.local_optimizer.empty_sparse_gradient``), which is what torch's
+step does with the rest of the table, and every shard's count stays the table's count, in
+``state_dict`` and checkpoints too. A table got a gradient when the backward pass reached any of its
 lookups made in the context: empty lookups count (as ``nn.Embedding``'s), lookups whose
 output never reached the loss and tables not looked up do not. The trainer tells that from
 its own copy of the context, without an RPC: every lookup is joined with a leaf of the table
@@ -52,7 +52,6 @@ lookups (see ``distopt.sparse._owner``), so the embeddings record them on their 
 per-row means in place; then the usual step runs. That costs one more round of RPCs per
 step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
 """
-import logging
 from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
@@ -63,8 +62,6 @@ from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
 from distopt.sparse.embedding import ShardedEmbedding, tables_with_gradient
-
-logger = logging.getLogger(__name__)
 
 #: What ``duplicates`` may be: torch's rule (sum) or DGL's (mean).
 DUPLICATES = ("sum", "mean")
@@ -118,7 +115,7 @@ def _check_with_torch(torch_class: type, kwargs: Dict[str, Any]) -> None:
         ValueError: as ``torch_class`` raises it for these arguments.
     """
     probe = torch.zeros(1, requires_grad=True)
-    torch_class([probe], **kwargs)
+    torch_class([probe], **kwargs)  # torch.optim's own messages, kept: users know them
 
 
 class _SparseOptimizer(DistributedOptimizer):

@@ -23,8 +23,6 @@ class RangePartition:
         num_owners: owners sharing it.
     """
 
-    name = "range"
-
     def __init__(self, num_embeddings: int, num_owners: int) -> None:
         self.num_embeddings = num_embeddings
         self.num_owners = num_owners
@@ -61,8 +59,6 @@ class HashPartition:
         num_embeddings: rows in the table.
         num_owners: owners sharing it.
     """
-
-    name = "hash"
 
     def __init__(self, num_embeddings: int, num_owners: int) -> None:
         self.num_embeddings = num_embeddings

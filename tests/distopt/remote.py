@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from distopt import DistributedOptimizer, DistributedOptimizerError
-from distopt import owner
+from distopt import local_optimizer, locks, owner
 
 # ---------------------------------------------------------------- processes
 
@@ -194,36 +194,32 @@ def live_count_for(param_rref: rpc.RRef) -> int:
     """How many live local optimizers on this owner update ``param_rref``'s tensor."""
     param = param_rref.local_value()
     return sum(
-        1 for lo in owner.live_local_optimizers() if any(p is param for p in lo.params)
+        1 for lo in list(local_optimizer.live_by_id.values())
+        if any(p is param for p in lo.params)
     )
 
 
 def same_lock(a: rpc.RRef, b: rpc.RRef) -> bool:
     """Whether two parameters on this owner share one lock."""
-    lock_a = owner.lock_of(a.local_value())
-    lock_b = owner.lock_of(b.local_value())
+    lock_a = locks.lock_of(a.local_value())
+    lock_b = locks.lock_of(b.local_value())
     assert lock_a is not None and lock_b is not None
     return lock_a is lock_b
 
 
 def hold_lock(param_rref: rpc.RRef) -> None:
     """Take the parameter's lock and keep it (``release_lock`` gives it back)."""
-    lock = owner.lock_of(param_rref.local_value())
+    lock = locks.lock_of(param_rref.local_value())
     assert lock is not None
     lock.acquire()
 
 
 def release_lock(param_rref: rpc.RRef) -> None:
     """Give back a lock taken by ``hold_lock`` (threading.Lock may be released by any thread)."""
-    lock = owner.lock_of(param_rref.local_value())
+    lock = locks.lock_of(param_rref.local_value())
     assert lock is not None
     lock.release()
 
-
-
-def python_steps(optimizer_rref: rpc.RRef) -> int:
-    """How many steps the local optimizer took through the locked Python path."""
-    return optimizer_rref.local_value().python_steps
 
 
 def is_exclusive(optimizer_rref: rpc.RRef) -> bool:

@@ -1,17 +1,17 @@
 """The exclusive fast path: unshared compiled optimizers step with no Python on the owner.
 
 Values are exact: SGD with lr=1 on parameters of ones, whose gradients are ones, leaves
-``1 - (number of steps)`` in every element. The owners count the steps that went through
-the locked Python path.
+``1 - (number of steps)`` in every element. The trainer's RPCs (``rpc_calls``) tell which
+path each step took: ``distopt.owner.step_local_optimizer`` is the locked Python path.
 """
 import threading
-from typing import List
+from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed.rpc as rpc
 
-from distopt import DistributedOptimizer, DistributedOptimizerError, exclusive
+from distopt import DistributedOptimizer, DistributedOptimizerError, exclusive, owner
 from tests.distopt import remote
 from tests.distopt.test_concurrency import run_in_threads
 
@@ -27,8 +27,15 @@ def value(rref: rpc.RRef) -> torch.Tensor:
     return rpc.rpc_sync(rref.owner(), remote.value, args=(rref,))
 
 
-def python_steps(opt: DistributedOptimizer) -> List[int]:
-    return [rpc.rpc_sync(p.info, remote.python_steps, args=(p.rref,)) for p in opt.owners]
+def python_steps(rpc_calls: List[Any], opt: DistributedOptimizer) -> List[int]:
+    """How many of ``opt``'s steps the trainer sent each owner through the locked path."""
+    return [
+        sum(
+            1 for to, func, args in rpc_calls
+            if func is owner.step_local_optimizer and to.name == p.name and args[0] == p.id
+        )
+        for p in opt.owners
+    ]
 
 
 def exclusive_on_owners(opt: DistributedOptimizer) -> List[bool]:
@@ -40,39 +47,39 @@ def train(opt: DistributedOptimizer, rrefs: List[rpc.RRef], steps: int) -> None:
         remote.sum_step(opt, rrefs)
 
 
-def test_unshared_compiled_optimizer_runs_no_python_step(world):
+def test_unshared_compiled_optimizer_runs_no_python_step(world, rpc_calls):
     rrefs = ones_on("worker1", "worker2")
     opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
     assert exclusive_on_owners(opt) == [True, True]
     train(opt, rrefs, STEPS)
-    assert python_steps(opt) == [0, 0]
+    assert python_steps(rpc_calls, opt) == [0, 0]
     for r in rrefs:
         assert torch.equal(value(r), torch.full(SHAPE, 1.0 - STEPS))
 
     # A hyper-parameter change travels with the next step, through the Python path.
     opt.param_groups[0]["lr"] = 0.5
     train(opt, rrefs, 2)
-    assert python_steps(opt) == [1, 1]
+    assert python_steps(rpc_calls, opt) == [1, 1]
     for r in rrefs:
         assert torch.equal(value(r), torch.full(SHAPE, 1.0 - STEPS - 1.0))
 
 
-def test_eager_and_shared_optimizers_are_not_exclusive(world):
+def test_eager_and_shared_optimizers_are_not_exclusive(world, rpc_calls):
     [rref] = ones_on("worker1")
     eager = DistributedOptimizer(remote.PlainSGD, [rref], lr=1.0)
     assert exclusive_on_owners(eager) == [False]
     compiled = DistributedOptimizer(torch.optim.SGD, [rref], lr=1.0)
     assert exclusive_on_owners(compiled) == [False]
     train(compiled, [rref], 2)
-    assert python_steps(compiled) == [2]
+    assert python_steps(rpc_calls, compiled) == [2]
 
 
 @pytest.mark.parametrize("second_trainer", ["here", "worker2"])
-def test_sharing_optimizer_revokes_and_no_update_is_lost(world, second_trainer):
+def test_sharing_optimizer_revokes_and_no_update_is_lost(world, rpc_calls, second_trainer):
     p, q = ones_on("worker1", "worker1")
     first = DistributedOptimizer(torch.optim.SGD, [p, q], lr=1.0)
     train(first, [p, q], 1)
-    assert python_steps(first) == [0]
+    assert python_steps(rpc_calls, first) == [0]
 
     def second() -> None:
         if second_trainer == "here":
@@ -93,7 +100,7 @@ def test_sharing_optimizer_revokes_and_no_update_is_lost(world, second_trainer):
 
 
 @pytest.mark.parametrize("sharer", [torch.optim.SGD, remote.PlainSGD], ids=["compiled", "eager"])
-def test_revocation_while_the_first_trainer_steps_in_a_loop(world, sharer):
+def test_revocation_while_the_first_trainer_steps_in_a_loop(world, rpc_calls, sharer):
     [p] = ones_on("worker1")
     first = DistributedOptimizer(torch.optim.SGD, [p], lr=1.0)
     stepped = threading.Condition()
@@ -127,11 +134,11 @@ def test_revocation_while_the_first_trainer_steps_in_a_loop(world, sharer):
     total = counts["first"]
     assert torch.equal(value(p), torch.full(SHAPE, 1.0 - total - STEPS))
     # At most the step in flight during the switch went unlocked after it began.
-    assert total - switched_at - 1 <= python_steps(first)[0] <= total - 3
-    assert python_steps(second)[0] == STEPS
+    assert total - switched_at - 1 <= python_steps(rpc_calls, first)[0] <= total - 3
+    assert python_steps(rpc_calls, second)[0] == STEPS
 
 
-def test_replacing_an_optimizer_keeps_the_exclusive_path(world):
+def test_replacing_an_optimizer_keeps_the_exclusive_path(world, rpc_calls):
     [p] = ones_on("worker1")
     first = DistributedOptimizer(torch.optim.SGD, [p], lr=1.0)
     train(first, [p], 1)
@@ -144,7 +151,7 @@ def test_replacing_an_optimizer_keeps_the_exclusive_path(world):
     assert rpc.rpc_sync("worker1", remote.live_count_for, args=(p,)) == 1
     assert not rpc.rpc_sync("worker1", remote.is_exclusive, args=(first_local,))
     train(second, [p], 2)
-    assert python_steps(second) == [0]
+    assert python_steps(rpc_calls, second) == [0]
     assert torch.equal(value(p), torch.full(SHAPE, -2.0))
 
 

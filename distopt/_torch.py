@@ -1,0 +1,91 @@
+"""Every private torch API distopt calls, each behind one name that says why it is needed.
+
+A torch release that moves or renames one of these should change this file only (distopt
+runs on torch 2.11 and 2.13). Not here: torch's ``_foreach_*`` kernels, which torch.optim
+itself runs and which distopt calls from TorchScript functions (``distopt.clipping``), where
+a Python wrapper cannot be called.
+"""
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch._C._distributed_rpc import PyRRef
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "PyRRef",
+    "WeakIdKeyDictionary",
+    "current_context_id",
+    "init_optimizer_internals",
+    "jit_enabled",
+    "known_worker_ids",
+    "retrieve_context",
+    "rpc_initialized",
+]
+
+# ``PyRRef``: what ``rpc.remote`` returns is this base class, not ``rpc.RRef``, so an
+# isinstance check against ``rpc.RRef`` would refuse every RRef.
+# ``WeakIdKeyDictionary`` (torch.utils.weak, undocumented): keys held weakly and compared by
+# identity; a ``weakref.WeakKeyDictionary`` compares tensors with ``==``.
+
+
+def retrieve_context(context_id: int) -> Any:
+    """The live distributed autograd context ``context_id``; RuntimeError when there is none.
+
+    Needed because dist_autograd has no public lookup: ``get_gradients`` raises the same
+    way, but copies every gradient of the context into a new dict first.
+    """
+    return dist_autograd._retrieve_context(context_id)
+
+
+def current_context_id() -> int:
+    """The id of the distributed autograd context this thread is in; RuntimeError outside one.
+
+    Needed because ``dist_autograd.context()`` gives the id only to the code that opened it,
+    while an RPC target runs inside the caller's context without being told its id.
+    """
+    return dist_autograd._current_context()._context_id()
+
+
+def known_worker_ids(context: Any) -> Any:
+    """The ids of the workers ``context`` (from ``retrieve_context``) sent RPCs to.
+
+    Needed to know which owners surely hold the context: no public API tells.
+    """
+    return context._known_worker_ids()
+
+
+def jit_enabled() -> bool:
+    """Whether TorchScript is on (``PYTORCH_JIT=0`` turns it off).
+
+    Needed to fall back to eager torch.optim classes as torch's DistributedOptimizer does;
+    torch exposes the flag only as ``torch.jit._state._enabled``.
+    """
+    return bool(torch.jit._state._enabled)
+
+
+def rpc_initialized() -> bool:
+    """Whether ``rpc.init_rpc`` has run in this process.
+
+    Needed to refuse early with a clear message; torch.distributed.rpc has no public query.
+    """
+    return rpc.api._is_current_rpc_agent_set()
+
+
+def init_optimizer_internals(optimizer: torch.optim.Optimizer) -> None:
+    """Set the private fields ``torch.optim.Optimizer.__init__`` would set on ``optimizer``.
+
+    Needed because a DistributedOptimizer's parameters are RRefs, which
+    ``Optimizer.__init__`` refuses, while its step hooks, state_dict hooks and lr
+    schedulers read these fields (and ``step`` must be wrapped as torch wraps it).
+    """
+    optimizer._optimizer_step_pre_hooks = {}
+    optimizer._optimizer_step_post_hooks = {}
+    optimizer._optimizer_state_dict_pre_hooks = {}
+    optimizer._optimizer_state_dict_post_hooks = {}
+    optimizer._optimizer_load_state_dict_pre_hooks = {}
+    optimizer._optimizer_load_state_dict_post_hooks = {}
+    optimizer._patch_step_function()
+    # No capturable (CUDA graph) state here: torch's warning about it does not apply.
+    optimizer._warned_capturable_if_run_uncaptured = True

@@ -1,0 +1,613 @@
+"""Local optimizers: what an owner keeps for one DistributedOptimizer, compiled or eager.
+
+``CompiledLocalOptimizer`` holds one functional optimizer per param group inside one
+TorchScript module, whose step reads the autograd context's gradients and runs without the
+GIL. ``EagerLocalOptimizer`` holds any torch.optim class built with the param groups, fed
+through ``.grad``. Both have one interface, ``LocalOptimizer``: unlocked steps (the RPC
+targets in ``distopt.owner`` take the locks), hyper-parameter changes, the state in
+torch.optim's format keyed by the trainer's global parameter indices, and ``describe`` for
+the trainer.
+
+Each takes the locks of its parameters from ``distopt.locks`` and registers as their user;
+a compiled one that shares no lock with another is exclusive, which its trainer may step
+with no lock at all (``distopt.exclusive``).
+"""
+import abc
+import contextlib
+import inspect
+import itertools
+import re
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import Tensor
+
+from distopt import locks
+from distopt.context import has_context
+from functional import load_torch_state_dict, to_torch_state_dict
+from functional._state import (
+    checked_state,
+    functional_state,
+    group_keys,
+    hyperparameter_values,
+    settable_hyperparameters,
+)
+
+__all__ = [
+    "Change",
+    "CompiledLocalOptimizer",
+    "EagerLocalOptimizer",
+    "LocalOptimizer",
+    "empty_sparse_gradient",
+    "live_by_id",
+]
+
+#: A piggybacked hyper-parameter change: (local group, name, new value).
+Change = Tuple[int, str, Any]
+
+#: Why a released local optimizer refuses to step.
+_RELEASED = "Invalid local optimizer: it was released (expected a live one)"
+
+# TorchScript's compiler is not thread-safe; owners create optimizers on many RPC threads.
+_compile_lock = threading.Lock()
+
+
+def empty_sparse_gradient(param: Tensor) -> Tensor:
+    """A sparse COO gradient of ``param`` holding no rows.
+
+    It is what ``embedding(..., sparse=True)`` gives a table for an empty lookup, and what
+    torch.optim steps with when a table's gradient holds rows of other shards only: the
+    step counts (SparseAdam's and Adagrad's ``step`` advance, SGD's momentum buffer decays
+    and moves the rows it holds), yet no row is added.
+    """
+    indices = torch.empty([1, 0], dtype=torch.int64, device=param.device)
+    values = param.new_empty([0] + list(param.shape[1:]))
+    return torch.sparse_coo_tensor(indices, values, param.shape)
+
+
+class LocalOptimizer(abc.ABC):
+    """What an owner keeps for one DistributedOptimizer: its groups, their step and locks.
+
+    Attributes:
+        group_params: the local parameters of each local group.
+        params: all of them, flattened in group order.
+        global_indices: for each local group, the trainer's indices of its parameters (the
+            order the DistributedOptimizer was given them, flattened over its groups).
+        optimizer_class: the class the user asked for (its state_dict format is used).
+        trainer: (worker name, key) of the DistributedOptimizer that created this one, for
+            ``distopt.exclusive.switch_to_locked``; None when no trainer can be switched.
+        locks: the parameters' distinct locks, in acquisition order.
+        exclusive: whether its trainer may step it without the locks (``script_step``).
+        to_revoke: the exclusive optimizers to switch to the locked path before this one
+            steps (``distopt.owner`` empties it).
+        staged: checkpoint parts read and checked by ``distopt.state`` and
+            ``distopt.checkpoint``, awaiting a commit, by token.
+        id: the key steps send instead of the RRef: an int pickles cheaply, and an RRef
+            sent back to its owner costs the RRef protocol's extra messages at every step.
+        step_context: ``step_context(autograd_ctx_id)``: one step with the context's
+            gradients, unlocked; parameters without one are skipped.
+    """
+
+    #: Whether the step is a compiled TorchScript module (which may then be exclusive).
+    compiled = False
+    step_context: Callable[[int], None]
+
+    def __init__(
+        self,
+        group_params: List[List[Tensor]],
+        global_indices: List[List[int]],
+        optimizer_class: type,
+        trainer: Optional[Tuple[str, int]],
+    ) -> None:
+        self.group_params = group_params
+        self.params = [p for ps in group_params for p in ps]
+        self.global_indices = global_indices
+        self.optimizer_class = optimizer_class
+        self.trainer = trainer
+        with locks.registry_lock:
+            self._param_locks = locks.param_locks_for(self.params)
+            sharers = {lo for pl in self._param_locks for lo in pl.users}
+            for pl in self._param_locks:
+                pl.users.add(self)
+            self.exclusive = self._may_be_exclusive() and not sharers
+            self.to_revoke: List[LocalOptimizer] = [lo for lo in sharers if lo.exclusive]
+        self.locks = [pl.lock for pl in self._param_locks]
+        self.staged: Dict[str, Any] = {}
+        self.id = next(_ids)
+        live_by_id[self.id] = self
+
+    def _may_be_exclusive(self) -> bool:
+        return self.compiled and self.trainer is not None
+
+    def locked(self) -> "contextlib.AbstractContextManager[None]":
+        """Hold every lock of this optimizer's parameters."""
+        return locks.holding(self.locks)
+
+    @abc.abstractmethod
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+        """``step_context``, where the parameters at positions ``empty[j]`` of local group
+        ``j`` that the context gives no gradient (or that have no context here) step with
+        ``empty_sparse_gradient``; unlocked."""
+
+    @abc.abstractmethod
+    def apply_changes(self, changes: Sequence[Change]) -> None:
+        """Apply hyper-parameter changes; the caller holds the locks."""
+
+    @abc.abstractmethod
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        """Each local group's hyper-parameters as torch.optim's param_groups hold them."""
+
+    @abc.abstractmethod
+    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
+        """The state in torch.optim's format, keyed by global index.
+
+        The caller holds the locks. With ``copy`` the tensors are copies, one consistent
+        snapshot that later steps leave alone; without, they are the optimizer's own, to be
+        written out before the locks are released (no second copy of the state in memory).
+        """
+
+    @abc.abstractmethod
+    def load_torch_state(
+        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
+    ) -> None:
+        """Replace the state and hyper-parameters; the caller holds the locks.
+
+        Args:
+            hyperparameters: each local group's hyper-parameters, torch.optim's keys.
+            state: global index -> that parameter's state in torch.optim's format, for this
+                owner's parameters (any other entry is ignored).
+        """
+
+    @abc.abstractmethod
+    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """Check ``state`` (global index -> torch.optim entry) as loading it would; change
+        nothing.
+
+        Raises:
+            ValueError: naming the parameter, the key and both values.
+        """
+
+    @abc.abstractmethod
+    def settable(self, keys: List[str]) -> Optional[List[str]]:
+        """Which of the hyper-parameters ``keys`` can change between steps; None: all."""
+
+    @abc.abstractmethod
+    def defaults(self) -> Optional[Dict[str, Any]]:
+        """The optimizer's own ``defaults`` (eager), or None (compiled)."""
+
+    def describe(self) -> Dict[str, Any]:
+        """What the trainer keeps about this optimizer: shapes, dtypes, hyper-parameters.
+
+        ``settable`` lists the keys a compiled optimizer can change between steps (None:
+        eager, every key); ``defaults`` is the eager optimizer's (None when compiled).
+        """
+        hyper = self.hyperparameters()
+        return {
+            "shapes": [[tuple(p.shape) for p in ps] for ps in self.group_params],
+            "dtypes": [[p.dtype for p in ps] for ps in self.group_params],
+            "hyper": hyper,
+            "settable": self.settable(list(hyper[0])),
+            "defaults": self.defaults(),
+        }
+
+    def end_exclusive(self, refusal: str) -> None:
+        """Refuse unlocked steps from now on, with ``refusal`` as the error's message."""
+        self.exclusive = False
+
+    def regain_exclusive(self) -> None:
+        """Become exclusive again if no other live optimizer uses any of its locks (its
+        sharers were released); only a compiled one with a trainer can."""
+        if not self._may_be_exclusive():
+            return
+        with locks.registry_lock:
+            # Whoever registered meanwhile saw this one as not exclusive and is a user now.
+            self.exclusive = all(lo is self for pl in self._param_locks for lo in pl.users)
+
+    def close(self) -> None:
+        """Drop the optimizer and its state now, before the RRef protocol frees this object."""
+        live_by_id.pop(self.id, None)
+        with locks.registry_lock:
+            for pl in self._param_locks:
+                pl.users.discard(self)
+            self._param_locks = []
+        self.end_exclusive(_RELEASED)
+        self.step_context = _closed_step
+        self.group_params = []
+        self.params = []
+        self.global_indices = []
+        self.locks = []
+        self.staged = {}
+
+
+class _FunctionalGroups(torch.nn.Module):
+    """Functional optimizers, one per param group, stepped from an autograd context id.
+
+    Scripted, this is the whole compiled step: ``distopt.exclusive.script_step`` calls it
+    with no Python on the owner.
+
+    Args:
+        functional_cls: the functional optimizer class.
+        group_params: the local parameters of each group, in the order the optimizer sees them.
+        group_kwargs: the constructor's keyword arguments for each group.
+        args: positional arguments for ``functional_cls``, after the parameters.
+    """
+
+    def __init__(
+        self,
+        functional_cls: type,
+        group_params: List[List[Tensor]],
+        group_kwargs: List[Dict[str, Any]],
+        args: tuple = (),
+    ) -> None:
+        super().__init__()
+        self.params = group_params
+        self.optims = [
+            functional_cls(ps, *args, **kw) for ps, kw in zip(group_params, group_kwargs)
+        ]
+        #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
+        #: stops being exclusive or is released, for a trainer that missed the switch.
+        self.refusal = ""
+
+    def forward(self, autograd_ctx_id: int) -> None:
+        self.step_context(autograd_ctx_id)
+
+    @torch.jit.export
+    def step_exclusive(self, autograd_ctx_id: int) -> None:
+        """``step_context`` without the locks, for an optimizer that nobody shares."""
+        if self.refusal != "":
+            raise RuntimeError(self.refusal)
+        self.step_context(autograd_ctx_id)
+
+    @torch.jit.export
+    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+        """``step_with_empty`` without the locks, in a context this worker holds."""
+        if self.refusal != "":
+            raise RuntimeError(self.refusal)
+        self._step_gradients(dist_autograd.get_gradients(autograd_ctx_id), empty)
+
+    @torch.jit.export
+    def step_context(self, autograd_ctx_id: int) -> None:
+        """Step every group with the gradients the context holds; others are skipped."""
+        grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
+        for j in range(len(self.optims)):
+            # One dict lookup per parameter (get), not two (in, then []).
+            grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in self.params[j]]
+            self.optims[j].step(grads)
+
+    @torch.jit.export
+    def step_with_empty(
+        self, autograd_ctx_id: int, in_context: bool, empty: List[List[int]]
+    ) -> None:
+        """``step_context``, where the parameters at positions ``empty[j]`` of group ``j``
+        that the context gives no gradient step with a sparse gradient holding no rows.
+
+        ``in_context`` is False when this worker holds no such context: then every
+        parameter but those in ``empty`` is skipped.
+        """
+        grads_by_param = torch.jit.annotate(Dict[Tensor, Tensor], {})
+        if in_context:
+            grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
+        self._step_gradients(grads_by_param, empty)
+
+    def _step_gradients(
+        self, grads_by_param: Dict[Tensor, Tensor], empty: List[List[int]]
+    ) -> None:
+        for j in range(len(self.optims)):
+            params = self.params[j]
+            grads: List[Optional[Tensor]] = [grads_by_param.get(p) for p in params]
+            for k in empty[j]:
+                if grads[k] is None:
+                    grads[k] = empty_sparse_gradient(params[k])
+            self.optims[j].step(grads)
+
+    @torch.jit.export
+    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter (lr, betas, ...) of one group for the following steps."""
+        self.optims[group].set_hyperparameter(name, value)
+
+    @torch.jit.export
+    def check_state(
+        self, group: int, state: Dict[int, Dict[str, Tensor]]
+    ) -> Dict[int, Dict[str, Tensor]]:
+        """One group's state checked as ``set_state`` would check it, changing nothing."""
+        optim = self.optims[group]
+        if hasattr(optim, "check_state"):
+            return optim.check_state(state)
+        return state
+
+    @torch.jit.export
+    def set_state(self, group: int, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Replace one group's whole state."""
+        self.optims[group].set_state(state)
+
+
+class _GroupView:
+    """One group of a compiled module, shaped as ``functional.load_torch_state_dict`` wants.
+
+    Attributes are read from a Python copy of the group's functional optimizer (TorchScript
+    hands class-typed attributes back as copies); changes go through the module's methods.
+    """
+
+    def __init__(self, module: Any, group: int) -> None:
+        self._module = module
+        self._group = group
+        self._copy = module.optims[group]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._copy, name)
+
+    def set_hyperparameter(self, name: str, value: List[float]) -> None:
+        self._module.set_hyperparameter(self._group, name, value)
+
+    def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
+        return self._module.check_state(self._group, state)
+
+    def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        self._module.set_state(self._group, state)
+
+
+class CompiledLocalOptimizer(LocalOptimizer):
+    """Functional optimizers, one per local param group, in one scripted module.
+
+    Args:
+        functional_cls: the functional stand-in for ``optimizer_class``.
+        optimizer_class: the class the user asked for.
+        group_params: the local parameters of each local group.
+        global_indices: for each local group, the trainer's indices of its parameters.
+        group_options: each group's options as the user gave them (those
+            ``functional_cls`` does not take are left out).
+        args: positional arguments for ``functional_cls``, after the parameters.
+        kwargs: keyword arguments shared by every group; a group's own options win.
+        trainer: (worker name, key) of the creating DistributedOptimizer; None keeps the
+            optimizer on the locked path.
+
+    Attributes:
+        module: the scripted module (it holds its own copies of the functional optimizers).
+    """
+
+    compiled = True
+
+    def __init__(
+        self,
+        functional_cls: type,
+        optimizer_class: type,
+        group_params: List[List[Tensor]],
+        global_indices: List[List[int]],
+        group_options: List[Dict[str, Any]],
+        args: tuple,
+        kwargs: Dict[str, Any],
+        trainer: Optional[Tuple[str, int]] = None,
+    ) -> None:
+        accepted = set(inspect.signature(functional_cls).parameters)
+        group_kwargs = [
+            {**kwargs, **{k: v for k, v in options.items() if k in accepted and k != "params"}}
+            for options in group_options
+        ]
+        with _compile_lock:  # construction may compile the functional class too
+            module = _FunctionalGroups(functional_cls, group_params, group_kwargs, tuple(args))
+            self.module: Any = torch.jit.script(module)
+        # The scripted method itself: no Python frame between the step RPC and TorchScript.
+        self.step_context = self.module.step_context
+        super().__init__(group_params, global_indices, optimizer_class, trainer)
+
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+        self.module.step_with_empty(autograd_ctx_id, has_context(autograd_ctx_id), empty)
+
+    def apply_changes(self, changes: Sequence[Change]) -> None:
+        for group, name, value in changes:
+            self.module.set_hyperparameter(group, name, hyperparameter_values(name, value))
+
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        out = []
+        for j in range(len(self.group_params)):
+            obj = self.module.optims[j]
+            group = {}
+            for key in group_keys(self.optimizer_class):
+                if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
+                    group[key] = obj.lr_tensor.clone()
+                else:
+                    group[key] = getattr(obj, key)
+            out.append(group)
+        return out
+
+    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
+        out: Dict[int, Dict[str, Any]] = {}
+        for j, indices in enumerate(self.global_indices):
+            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=copy)
+            for k, entry in sd["state"].items():
+                out[indices[k]] = entry
+        return out
+
+    def load_torch_state(
+        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
+    ) -> None:
+        for j, indices in enumerate(self.global_indices):
+            part = {
+                "state": {k: state[i] for k, i in enumerate(indices) if i in state},
+                "param_groups": [{**hyperparameters[j], "params": list(range(len(indices)))}],
+            }
+            load_torch_state_dict(_GroupView(self.module, j), self.optimizer_class, part)
+
+    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """Each group's part goes through its functional optimizer's ``check_state`` (every
+        key, shape, dtype and device); messages name parameters by global index."""
+        for j, indices in enumerate(self.global_indices):
+            view = _GroupView(self.module, j)
+            part = {k: state[i] for k, i in enumerate(indices) if i in state}
+            try:
+                checked_state(view, functional_state(view, part, copy=False))
+            except ValueError as exc:
+                raise ValueError(_global_indices(str(exc), indices)) from None
+
+    def settable(self, keys: List[str]) -> Optional[List[str]]:
+        return settable_hyperparameters(_GroupView(self.module, 0), keys)
+
+    def defaults(self) -> Optional[Dict[str, Any]]:
+        return None
+
+    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter of one local group; the caller holds the locks."""
+        self.module.set_hyperparameter(group, name, value)
+
+    def end_exclusive(self, refusal: str) -> None:
+        super().end_exclusive(refusal)
+        # The trainer's RRef to the scripted module may outlive this object.
+        if self.module is not None:
+            self.module.refusal = refusal
+
+    def close(self) -> None:
+        super().close()
+        self.module = None
+
+
+class EagerLocalOptimizer(LocalOptimizer):
+    """A torch.optim optimizer over the local param groups, stepped through ``.grad``.
+
+    Args:
+        optim_cls: the torch.optim class.
+        group_params: the local parameters of each local group.
+        global_indices: for each local group, the trainer's indices of its parameters.
+        group_options: each group's options as the user gave them.
+        args: positional arguments for ``optim_cls``, after the param groups.
+        kwargs: keyword arguments for ``optim_cls``.
+        trainer: (worker name, key) of the creating DistributedOptimizer, or None.
+
+    Attributes:
+        optim: the torch.optim optimizer.
+    """
+
+    def __init__(
+        self,
+        optim_cls: type,
+        group_params: List[List[Tensor]],
+        global_indices: List[List[int]],
+        group_options: List[Dict[str, Any]],
+        args: tuple,
+        kwargs: Dict[str, Any],
+        trainer: Optional[Tuple[str, int]] = None,
+    ) -> None:
+        groups = [{"params": ps, **options} for ps, options in zip(group_params, group_options)]
+        self.optim: Any = optim_cls(groups, *args, **kwargs)
+        super().__init__(group_params, global_indices, optim_cls, trainer)
+
+    def step_context(
+        self,
+        autograd_ctx_id: int,
+        empty: Optional[List[List[int]]] = None,
+        in_context: bool = True,
+    ) -> None:
+        """Step with the context's gradients; ``empty`` and ``in_context`` as in
+        ``step_with_empty``."""
+        grads_by_param = dist_autograd.get_gradients(autograd_ctx_id) if in_context else {}
+        try:
+            for p in self.params:
+                p.grad = grads_by_param.get(p)
+            for params, positions in zip(self.group_params, empty or []):
+                for k in positions:
+                    if params[k].grad is None:
+                        params[k].grad = empty_sparse_gradient(params[k])
+            self.optim.step()
+        finally:
+            for p in self.params:
+                p.grad = None
+
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+        self.step_context(autograd_ctx_id, empty, has_context(autograd_ctx_id))
+
+    def apply_changes(self, changes: Sequence[Change]) -> None:
+        for group, name, value in changes:
+            self.optim.param_groups[group][name] = value
+
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
+
+    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
+        out: Dict[int, Dict[str, Any]] = {}
+        flat = [i for indices in self.global_indices for i in indices]
+        for k, entry in self.optim.state_dict()["state"].items():
+            out[flat[k]] = {
+                key: v.clone() if copy and isinstance(v, Tensor) else v
+                for key, v in entry.items()
+            }
+        return out
+
+    def load_torch_state(
+        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
+    ) -> None:
+        flat = [i for indices in self.global_indices for i in indices]
+        position = {i: k for k, i in enumerate(flat)}
+        groups, start = [], 0
+        for j, indices in enumerate(self.global_indices):
+            groups.append(
+                {**hyperparameters[j], "params": list(range(start, start + len(indices)))}
+            )
+            start += len(indices)
+        local_state = {position[i]: entry for i, entry in state.items() if i in position}
+        self.optim.load_state_dict({"state": local_state, "param_groups": groups})
+
+    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """An eager optimizer has no template: an entry must have the keys, shapes and
+        dtypes of the parameter's current state, or of its group's, where there is one (a
+        fresh eager optimizer takes what torch.optim's load_state_dict takes)."""
+        current = self.torch_state(copy=False)
+        for indices in self.global_indices:
+            group_entry = next((current[i] for i in indices if i in current), None)
+            for i in indices:
+                entry = state.get(i)
+                model = current.get(i, group_entry)
+                if not entry or model is None:
+                    continue
+                missing = sorted(set(model) - set(entry))
+                if missing:
+                    raise ValueError(
+                        f"Invalid state[{i}]: no {missing[0]!r} (expected keys {sorted(model)}, "
+                        f"got {sorted(entry)})"
+                    )
+                for key, value in entry.items():
+                    want = model.get(key)
+                    if not (isinstance(value, Tensor) and isinstance(want, Tensor)):
+                        continue
+                    if i in current and value.shape != want.shape:
+                        raise ValueError(
+                            f"Invalid state[{i}][{key!r}]: shape {list(value.shape)} (expected "
+                            f"{list(want.shape)})"
+                        )
+                    if value.is_floating_point() != want.is_floating_point():
+                        raise ValueError(
+                            f"Invalid state[{i}][{key!r}]: dtype {value.dtype} (expected "
+                            f"{want.dtype})"
+                        )
+
+    def settable(self, keys: List[str]) -> Optional[List[str]]:
+        return None
+
+    def defaults(self) -> Optional[Dict[str, Any]]:
+        return dict(self.optim.defaults)
+
+    def close(self) -> None:
+        super().close()
+        self.optim = None
+
+
+def _global_indices(message: str, indices: List[int]) -> str:
+    """``message`` with a group's local ``state[k]`` / ``params[k]`` named by global index."""
+    return re.sub(
+        r"\b(state|params)\[(\d+)\]",
+        lambda m: f"{m.group(1)}[{indices[int(m.group(2))]}]",
+        message,
+    )
+
+
+def _closed_step(autograd_ctx_id: int, *more: Any) -> None:
+    raise RuntimeError(_RELEASED)
+
+
+#: The live local optimizers on this worker by ``id`` (neither released nor freed). Weak:
+#: the trainer's RRef (through its OwnerRRef here) keeps a local optimizer alive.
+live_by_id: "weakref.WeakValueDictionary[int, LocalOptimizer]" = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
