@@ -105,46 +105,74 @@ def gather(
     k1 = keys[1] if n > 1 else ""
     k2 = keys[2] if n > 2 else ""
     k3 = keys[3] if n > 3 else ""
+    sparse_only = kinds == "sparse"
+    sparse_too = kinds == "both"
     sparse_ops = new_operands(n)
     for group in groups:
         ops = new_operands(n)
+        # The lists as locals: each ops[k] in the loop would be an interpreter instruction
+        # per parameter (this loop is the per-parameter cost of every step).
+        p_list, g_list = ops[0], ops[1]
+        s0 = ops[2] if n > 0 else p_list
+        s1 = ops[3] if n > 1 else p_list
+        s2 = ops[4] if n > 2 else p_list
+        s3 = ops[5] if n > 3 else p_list
         fit = False
         for i in group:
             g = gradients[i]
             if g is not None:
                 p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype or g.is_sparse != (kinds == "sparse"):
-                    if g.is_sparse and kinds == "both" and g.is_same_size(p) and g.dtype == p.dtype:
-                        into = sparse_ops
-                    else:
-                        refuse(state, created, i, g, p, refusal)
-                        into = ops
-                else:
-                    into = ops
-                    if fused and not fit:
-                        fit = not (p.is_contiguous() and g.is_contiguous())
+                if not g.is_same_size(p) or g.dtype != p.dtype or g.is_sparse != sparse_only:
+                    if sparse_too and g.is_sparse and g.is_same_size(p) and g.dtype == p.dtype:
+                        _gather_one(sparse_ops, p, g, state, i, keys, fills, scalars, created)
+                        continue
+                    refuse(state, created, i, g, p, refusal)
                 if i not in state:
                     state[i] = new_state(p, keys, fills, scalars)
                     created.append(i)
                 entry = state[i]
-                into[0].append(p)
-                into[1].append(g)
+                p_list.append(p)
+                g_list.append(g)
                 # Unrolled over at most four keys: a loop here costs an interpreter
                 # iteration per key and parameter.
                 if n > 0:
-                    into[2].append(entry[k0])
+                    s0.append(entry[k0])
                     if n > 1:
-                        into[3].append(entry[k1])
+                        s1.append(entry[k1])
                         if n > 2:
-                            into[4].append(entry[k2])
+                            s2.append(entry[k2])
                             if n > 3:
-                                into[5].append(entry[k3])
+                                s3.append(entry[k3])
+                if fused and not fit:
+                    fit = not (p.is_contiguous() and g.is_contiguous())
         live.append(ops)
         fits.append(fit)
-    if kinds == "both":
+    if sparse_too:
         live.append(sparse_ops)
         fits.append(False)
     return fits
+
+
+def _gather_one(
+    ops: List[List[Tensor]],
+    p: Tensor,
+    g: Tensor,
+    state: Dict[int, Dict[str, Tensor]],
+    i: int,
+    keys: List[str],
+    fills: List[float],
+    scalars: List[bool],
+    created: List[int],
+) -> None:
+    """``gather``'s slow path for one parameter (a sparse gradient beside dense ones)."""
+    if i not in state:
+        state[i] = new_state(p, keys, fills, scalars)
+        created.append(i)
+    entry = state[i]
+    ops[0].append(p)
+    ops[1].append(g)
+    for k in range(len(keys)):
+        ops[k + 2].append(entry[keys[k]])
 
 
 def new_operands(n: int) -> List[List[Tensor]]:
