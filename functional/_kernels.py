@@ -18,6 +18,10 @@ Two TorchScript limits (torch 2.13) are handled here, once:
   ``torch.zeros(())`` with constant arguments is folded into one tensor shared by every
   parameter. ``new_state`` makes every entry from one call site in a loop, scalars on the
   parameter's device, so no two entries can be merged.
+
+Errors: bad values raise in one form, ``ValueError("Invalid gradients[3]: ... (expected ...)")``;
+the ``RuntimeError`` refusals of a gradient kind or a complex parameter keep torch.optim's exact
+wording, for code that matches on it.
 """
 from typing import Dict, List, Optional, Union
 

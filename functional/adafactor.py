@@ -86,7 +86,7 @@ def adafactor_gather(
                     if p.is_complex():
                         for j in created:
                             del state[j]
-                        raise RuntimeError("Adafactor does not support complex parameters")
+                        raise RuntimeError("Adafactor does not support complex parameters")  # torch.optim's message
                     refuse(state, created, i, g, p, "Adafactor does not support sparse gradients")
                 if i not in state:
                     state[i] = adafactor_state(p)

@@ -221,7 +221,7 @@ class FunctionalMuon:
         """
         for i in range(min(len(gradients), len(self.params))):
             if gradients[i] is not None and self.params[i].is_complex():
-                raise RuntimeError("Muon does not support complex parameters")
+                raise RuntimeError("Muon does not support complex parameters")  # torch.optim's message
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
