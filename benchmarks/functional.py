@@ -3,7 +3,9 @@
 For every algorithm in ``functional.functional_optim_map``, times one optimizer step on
 (a) one 4M-element parameter and (b) 2,000 parameters of 32 elements, for torch.optim's default
 (for-loop on CPU), foreach and fused implementations where they exist, and for the compiled
-functional optimizer (``functional.script_optimizer``). Prints medians, the ratio of the
+functional optimizer (``functional.script_optimizer``), and for (b) the compiled optimizer with
+flat parameter buffers (``functional.flatten_parameters``; the elementwise classes; the 4M
+parameter is not flattened). Prints medians, the ratio of the
 functional step to torch's fastest, and for (a) a memory-bandwidth floor: the bytes the update
 must read and write divided by the measured copy bandwidth.
 
@@ -25,7 +27,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import torch  # noqa: E402
 
-from functional import functional_optim_map, script_optimizer  # noqa: E402
+from functional import flatten_parameters, functional_optim_map, script_optimizer  # noqa: E402
+from functional._flat import FLAT_CLASSES  # noqa: E402
 
 logger = logging.getLogger("benchmarks.functional")
 
@@ -78,12 +81,17 @@ def torch_step(cls: type, shapes, kwargs, impl: Dict[str, bool]) -> Optional[Cal
     return opt.step
 
 
-def functional_step(cls: type, shapes, kwargs) -> Tuple[Callable[[], None], int]:
-    """One compiled functional step, and the bytes of optimizer state it updates."""
+def functional_step(cls: type, shapes, kwargs, flat: bool = False) -> Tuple[Callable[[], None], int]:
+    """One compiled functional step, and the bytes of optimizer state it updates; ``flat``:
+    with ``flatten_parameters`` (the gathering of the gradients into the flat buffer is part
+    of every step)."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen) for s in shapes]
     grads = _gradients(shapes, cls is torch.optim.SparseAdam, gen)
-    optim = script_optimizer(functional_optim_map[cls](params, **kwargs))
+    optim = functional_optim_map[cls](params, **kwargs)
+    if flat:
+        flatten_parameters(optim)
+    optim = script_optimizer(optim)
     optim.step(grads)
     state_bytes = sum(
         t.numel() * t.element_size()
@@ -124,9 +132,10 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth:.1f} GB/s")
     header = ("| algorithm | params | torch default ms | torch foreach ms | torch fused ms "
-              "| distopt compiled ms | vs torch fastest | floor ms | vs floor |")
+              "| distopt compiled ms | vs torch fastest | distopt flat ms | flat vs torch fastest "
+              "| floor ms | vs floor |")
     print(header)
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     only = {n for n in args.only.split(",") if n}
     for cls in functional_optim_map:
         if only and cls.__name__ not in only:
@@ -141,8 +150,14 @@ def main() -> None:
                 if step is not None:
                     steps[name] = step
             steps["distopt"], state_bytes = functional_step(cls, shapes, kwargs)
+            functional_cls = functional_optim_map[cls]
+            # FunctionalAdamW is a function that builds a FunctionalAdam.
+            flattens = cls is torch.optim.AdamW or functional_cls.__name__ in FLAT_CLASSES
+            if flattens and shapes is MANY:
+                steps["flat"], _ = functional_step(cls, shapes, kwargs, flat=True)
             medians = interleaved_medians(steps, repeats)
             ours = medians.pop("distopt")
+            flat_ms = medians.pop("flat", None)
             torch_ms = {name: medians.get(name) for name in ("default", "foreach", "fused")}
             fastest = min(medians.values())
             floor = ratio_floor = None
@@ -154,7 +169,8 @@ def main() -> None:
                 ratio_floor = ours / floor
             print(f"| {cls.__name__} | {label} | {_fmt(torch_ms['default'])} | "
                   f"{_fmt(torch_ms['foreach'])} | {_fmt(torch_ms['fused'])} | {ours:.2f} | "
-                  f"{ours / fastest:.2f}x | {_fmt(floor)} | "
+                  f"{ours / fastest:.2f}x | {_fmt(flat_ms)} | "
+                  f"{'n/a' if flat_ms is None else f'{flat_ms / fastest:.2f}x'} | {_fmt(floor)} | "
                   f"{'' if ratio_floor is None else f'{ratio_floor:.2f}x'} |", flush=True)
 
 

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from distopt import locks
 from distopt.context import has_context
-from functional import load_torch_state_dict, to_torch_state_dict
+from functional import flatten_parameters, load_torch_state_dict, to_torch_state_dict
+from functional._flat import FLAT_CLASSES
 from functional._state import (
     checked_state,
     functional_state,
@@ -233,6 +234,7 @@ class _FunctionalGroups(torch.nn.Module):
         group_params: the local parameters of each group, in the order the optimizer sees them.
         group_kwargs: the constructor's keyword arguments for each group.
         args: positional arguments for ``functional_cls``, after the parameters.
+        flat: put each group's small parameters into flat buffers (elementwise classes).
     """
 
     def __init__(
@@ -241,12 +243,17 @@ class _FunctionalGroups(torch.nn.Module):
         group_params: List[List[Tensor]],
         group_kwargs: List[Dict[str, Any]],
         args: tuple = (),
+        flat: bool = False,
     ) -> None:
         super().__init__()
         self.params = group_params
         self.optims = [
             functional_cls(ps, *args, **kw) for ps, kw in zip(group_params, group_kwargs)
         ]
+        if flat:
+            for optim in self.optims:
+                if type(optim).__name__ in FLAT_CLASSES:
+                    flatten_parameters(optim)
         #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
         #: stops being exclusive or is released, for a trainer that missed the switch.
         self.refusal = ""
@@ -382,6 +389,7 @@ class CompiledLocalOptimizer(LocalOptimizer):
         args: tuple,
         kwargs: Dict[str, Any],
         trainer: Optional[Tuple[str, int]] = None,
+        flat: bool = False,
     ) -> None:
         accepted = set(inspect.signature(functional_cls).parameters)
         group_kwargs = [
@@ -389,7 +397,9 @@ class CompiledLocalOptimizer(LocalOptimizer):
             for options in group_options
         ]
         with _compile_lock:  # construction may compile the functional class too
-            module = _FunctionalGroups(functional_cls, group_params, group_kwargs, tuple(args))
+            module = _FunctionalGroups(
+                functional_cls, group_params, group_kwargs, tuple(args), flat
+            )
             self.module: Any = torch.jit.script(module)
         # The scripted method itself: no Python frame between the step RPC and TorchScript.
         self.step_context = self.module.step_context

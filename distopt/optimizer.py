@@ -72,6 +72,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dicts, ``{"params": [rref, ...], "lr": ...}``, as torch.optim takes them.
         *args: positional arguments for the optimizer, given after the parameters.
         **kwargs: keyword arguments for the optimizer: the defaults of every group.
+            ``flat=False`` (taken here, not passed on) keeps every parameter on its own on
+            the owners; by default a compiled optimizer puts each owner's small parameters
+            of the elementwise algorithms into flat buffers (``functional.flatten_parameters``:
+            they become views of one buffer, and a step is one kernel call over it).
 
     Raises:
         TypeError: before any RPC: ``optimizer_class`` is not an optimizer class, or runs
@@ -114,6 +118,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
         )
         check_optimizer_class(optimizer_class, eager=not is_functional_optim)
+        flat = kwargs.pop("flat", True)
+        if not isinstance(flat, bool):
+            raise TypeError(f"Invalid flat: {flat!r} (expected True or False)")
         user_groups = normalize_param_groups(params_rref)
         check_arguments(optimizer_class, args, kwargs, user_groups)
         self._init_optimizer_fields()
@@ -156,7 +163,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             calls = {
                 name: (info, owner.new_compiled_local_optimizer,
                        (functional_cls, optimizer_class, specs(parts), call_args, call_kwargs,
-                        trainer))
+                        trainer, flat))
                 for name, (info, parts) in by_owner.items()
             }
         else:

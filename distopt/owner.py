@@ -62,6 +62,7 @@ def new_compiled_local_optimizer(
     args: tuple,
     kwargs: Dict[str, Any],
     trainer: Optional[Tuple[str, int]] = None,
+    flat: bool = False,
 ) -> Tuple[rpc.RRef, Dict[str, Any]]:
     """RPC target: compile functional optimizers, one per group, over the local parameters.
 
@@ -73,6 +74,7 @@ def new_compiled_local_optimizer(
         kwargs: keyword arguments shared by every group; a group's own options win.
         trainer: (worker name, key) of the creating DistributedOptimizer; None keeps the
             new optimizer on the locked path.
+        flat: put the small parameters into flat buffers (``functional.flatten_parameters``).
 
     Returns:
         (an RRef to the new ``CompiledLocalOptimizer``, its ``describe()``), or a
@@ -82,7 +84,7 @@ def new_compiled_local_optimizer(
     group_params, global_indices = _local_groups(specs)
     local = CompiledLocalOptimizer(
         functional_cls, optimizer_class, group_params, global_indices,
-        [options for _, _, options in specs], args, kwargs, trainer,
+        [options for _, _, options in specs], args, kwargs, trainer, flat,
     )
     _revoke_exclusive(local)
     script = rpc.RRef(local.module, exclusive.ExclusiveStep) if local.exclusive else None

@@ -4,6 +4,7 @@ Each class takes its parameters once and the gradients at every ``step(gradients
 reading ``.grad``; it keeps torch.optim's arguments, defaults and state keys, and compiles
 with TorchScript so that its step runs without the GIL.
 """
+from functional._flat import flatten_parameters
 from functional._registry import functional_optim_map, register_functional_optimizer
 from functional._scripted import ScriptedOptimizer, script_optimizer
 from functional._state import load_torch_state_dict, to_torch_state_dict
@@ -37,6 +38,7 @@ __all__ = [
     "FunctionalSGD",
     "FunctionalSparseAdam",
     "ScriptedOptimizer",
+    "flatten_parameters",
     "functional_optim_map",
     "load_torch_state_dict",
     "register_functional_optimizer",

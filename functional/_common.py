@@ -43,24 +43,6 @@ def one_gradient(n: int, index: int, grad: Optional[Tensor]) -> List[Optional[Te
     return gradients
 
 
-def group_by_device_dtype(params: List[Tensor]) -> List[List[int]]:
-    """Parameter indices grouped by (device, dtype), in first-seen order.
-
-    Fused and foreach kernels take lists of tensors on one device with one dtype.
-    """
-    keys: List[str] = []
-    groups: Dict[str, List[int]] = {}
-    for i in range(len(params)):
-        p = params[i]
-        key = str(p.device) + "|" + str(p.dtype)
-        if key not in groups:
-            keys.append(key)
-            groups[key] = [i]
-        else:
-            groups[key].append(i)
-    return [groups[k] for k in keys]
-
-
 def scalar(name: str, value: List[float]) -> float:
     """The one float of a hyper-parameter given as a list (see ``set_hyperparameter``)."""
     if len(value) != 1:

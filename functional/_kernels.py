@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from functional._common import checked_state, dtype_name, meta_params
+from functional._flat import FlatBuffer, Groups, flat_gradients, flat_operands, spread
 
 def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[bool]) -> Dict[str, Tensor]:
     """A fresh state entry for ``p``: ``keys[k]`` holds ``fills[k]``, as a 0-dim float32
@@ -71,7 +72,7 @@ def gather(
     live: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
-    groups: List[List[int]],
+    groups: Groups,
     gradients: List[Optional[Tensor]],
     keys: List[str],
     fills: List[float],
@@ -83,12 +84,15 @@ def gather(
     """Check every gradient, create missing state, and put the operands in ``live``.
 
     One pass over the parameters. ``live`` (the class's attribute, see the module note) is
-    filled with one operand set per (device, dtype) group in ``groups``: ``[params, grads,
-    state[keys[0]], state[keys[1]], ...]`` of the parameters whose gradient is not None, plus
-    one set of the parameters with a sparse gradient when ``kinds`` is "both". ``kinds``
-    says which gradients the class takes: "dense", "sparse" or "both" (TorchScript has no
-    enums; a string is read once per step). A parameter without state gets
-    ``new_state(p, keys, fills, scalars)``.
+    filled with one operand set per (device, dtype) group of ``groups.dense``: ``[params,
+    grads, state[keys[0]], state[keys[1]], ...]`` of the parameters whose gradient is not
+    None, plus one set of the parameters with a sparse gradient when ``kinds`` is "both".
+    ``kinds`` says which gradients the class takes: "dense", "sparse" or "both" (TorchScript
+    has no enums; a string is read once per step). A parameter without state gets
+    ``new_state(p, keys, fills, scalars)``. A flat buffer of ``groups.flats`` adds one
+    operand set of single flat tensors when it can step whole (``_flat.flat_gradients``,
+    ``_flat.flat_operands``), else its members are gathered as a dense group; ``release``
+    finishes its scalar state after the update.
 
     Returns:
         Per operand set, whether ``fit_fused_layouts`` must run before a fused kernel (only
@@ -102,8 +106,63 @@ def gather(
     """
     check_length(params, gradients)
     live.clear()
+    groups.pending.clear()
     fits: List[bool] = []
     created: List[int] = []
+    todo: List[List[int]] = []
+    whole: List[FlatBuffer] = []
+    whole_grads: List[List[Tensor]] = []
+    for f in groups.flats:
+        grads = flat_gradients(f, gradients, kinds)
+        if len(grads) == 0:
+            todo.append(f.members)
+        else:
+            whole.append(f)
+            whole_grads.append(grads)
+    for group in groups.dense:
+        todo.append(group)
+    sparse_ops = new_operands(len(keys))
+    _gather_groups(
+        live, fits, params, state, todo, gradients, keys, fills, scalars, kinds, refusal,
+        fused, created, sparse_ops,
+    )
+    # Flat buffers last: every gradient is accepted by now, so their state (made flat here)
+    # never needs undoing.
+    for k in range(len(whole)):
+        f = whole[k]
+        ops = flat_operands(f, state, whole_grads[k], keys, fills, scalars, groups.pending)
+        if len(ops) == 0:
+            _gather_groups(
+                live, fits, params, state, [f.members], gradients, keys, fills, scalars,
+                kinds, refusal, fused, created, sparse_ops,
+            )
+        else:
+            live.append(ops)
+            fits.append(False)
+    if kinds == "both":
+        live.append(sparse_ops)
+        fits.append(False)
+    return fits
+
+
+def _gather_groups(
+    live: List[List[List[Tensor]]],
+    fits: List[bool],
+    params: List[Tensor],
+    state: Dict[int, Dict[str, Tensor]],
+    todo: List[List[int]],
+    gradients: List[Optional[Tensor]],
+    keys: List[str],
+    fills: List[float],
+    scalars: List[bool],
+    kinds: str,
+    refusal: str,
+    fused: bool,
+    created: List[int],
+    sparse_ops: List[List[Tensor]],
+) -> None:
+    """``gather``'s per-parameter pass over the index groups ``todo``: one operand set each
+    into ``live`` (and its fit into ``fits``), sparse gradients into ``sparse_ops``."""
     n = len(keys)
     k0 = keys[0] if n > 0 else ""
     k1 = keys[1] if n > 1 else ""
@@ -111,8 +170,7 @@ def gather(
     k3 = keys[3] if n > 3 else ""
     sparse_only = kinds == "sparse"
     sparse_too = kinds == "both"
-    sparse_ops = new_operands(n)
-    for group in groups:
+    for group in todo:
         ops = new_operands(n)
         # The lists as locals: each ops[k] in the loop would be an interpreter instruction
         # per parameter (this loop is the per-parameter cost of every step).
@@ -151,10 +209,6 @@ def gather(
                     fit = not (p.is_contiguous() and g.is_contiguous())
         live.append(ops)
         fits.append(fit)
-    if sparse_too:
-        live.append(sparse_ops)
-        fits.append(False)
-    return fits
 
 
 def _gather_one(
@@ -205,9 +259,11 @@ def refuse(
     raise RuntimeError(refusal)
 
 
-def release(live: List[List[List[Tensor]]]) -> None:
-    """Drop the operand lists after the update (the references ``gather`` put in ``live``)."""
+def release(live: List[List[List[Tensor]]], groups: Groups) -> None:
+    """After the update: drop the operand lists (the references ``gather`` put in ``live``)
+    and spread the flat buffers' advanced scalar state to all their members."""
     live.clear()
+    spread(groups)
 
 
 def no_operands() -> List[List[List[Tensor]]]:

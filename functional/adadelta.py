@@ -14,7 +14,6 @@ from functional._validation import (
 )
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -24,6 +23,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     decayed,
@@ -126,7 +126,7 @@ class FunctionalAdadelta:
         self.maximize = bool(maximize)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ['step', 'square_avg', 'acc_delta']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = [True, False, False]
@@ -181,4 +181,4 @@ class FunctionalAdadelta:
             )
             for s in range(len(self.live)):
                 adadelta_update(self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps)
-            release(self.live)
+            release(self.live, self.groups)

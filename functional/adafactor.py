@@ -16,7 +16,6 @@ from functional._validation import (
 from functional._common import (
     new_lr,
     checked_state,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -27,6 +26,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import Groups, layout, per_parameter
 from functional._kernels import (
     check_length,
     increment_steps,
@@ -66,7 +66,7 @@ def adafactor_gather(
     live: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
-    groups: List[List[int]],
+    groups: Groups,
     gradients: List[Optional[Tensor]],
 ) -> None:
     """``_kernels.gather`` for Adafactor, whose state depends on a parameter's shape: per
@@ -75,7 +75,7 @@ def adafactor_gather(
     check_length(params, gradients)
     live.clear()
     created: List[int] = []
-    for group in groups:
+    for group in per_parameter(groups):
         mat = new_operands(3)
         vec = new_operands(3)
         for i in group:
@@ -248,7 +248,7 @@ class FunctionalAdafactor:
         self.foreach = optional_flag(foreach)
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -311,7 +311,7 @@ class FunctionalAdafactor:
                     self.live[s], lr, eps1, self.eps[1], self.beta2_decay, self.d,
                     self.weight_decay, self.maximize, s % 2 == 0,
                 )
-            release(self.live)
+            release(self.live, self.groups)
 
     def _epsilon1(self, gradients: List[Optional[Tensor]]) -> float:
         # torch.optim resolves eps1=None once per step, from the first parameter it updates.

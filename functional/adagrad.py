@@ -15,7 +15,6 @@ from functional._validation import (
 )
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -26,6 +25,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     copy_back,
@@ -174,7 +174,7 @@ class FunctionalAdagrad:
         self.fused = optional_flag(fused)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ["step", "sum"]
         self.scalars = [True, False]
         self.live = no_operands()
@@ -229,7 +229,7 @@ class FunctionalAdagrad:
                 self.fills(), self.scalars, "both", "", self.use_fused,
             )
             if self.weight_decay != 0.0 and len(self.live[len(fits) - 1][0]) > 0:
-                release(self.live)  # before any parameter changes (torch.optim's message)
+                release(self.live, self.groups)  # before any parameter changes (torch.optim's message)
                 raise RuntimeError("weight_decay option is not compatible with sparse gradients")
             for s in range(len(fits) - 1):
                 adagrad_update(
@@ -239,7 +239,7 @@ class FunctionalAdagrad:
             adagrad_sparse_update(
                 self.live[len(fits) - 1], lr, self.lr_decay, self.eps, self.maximize
             )
-            release(self.live)
+            release(self.live, self.groups)
 
     def fills(self) -> List[float]:
         """``new_state``'s values: ``sum`` starts at ``initial_accumulator_value``."""

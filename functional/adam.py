@@ -23,7 +23,6 @@ from functional._validation import (
 )
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -35,6 +34,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     copy_back,
@@ -202,7 +202,7 @@ class FunctionalAdam:
         self.fills = [0.0 for _ in self.keys]
         self.scalars = [k == "step" for k in self.keys]
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -260,7 +260,7 @@ class FunctionalAdam:
                     self.weight_decay, self.amsgrad, self.maximize,
                     self.decoupled_weight_decay, self.use_fused,
                 )
-            release(self.live)
+            release(self.live, self.groups)
 
 
 def FunctionalAdamW(

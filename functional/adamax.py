@@ -8,7 +8,6 @@ from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -19,6 +18,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     decayed,
@@ -122,7 +122,7 @@ class FunctionalAdamax:
         self.differentiable = bool(differentiable)
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ['step', 'exp_avg', 'exp_inf']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = [True, False, False]
@@ -178,4 +178,4 @@ class FunctionalAdamax:
             )
             for s in range(len(self.live)):
                 adamax_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps)
-            release(self.live)
+            release(self.live, self.groups)

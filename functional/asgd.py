@@ -8,7 +8,6 @@ from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -18,6 +17,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     decayed,
@@ -145,7 +145,7 @@ class FunctionalASGD:
         self.differentiable = bool(differentiable)
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ['step', 'eta', 'mu', 'ax']
         self.fills = [0.0, 0.0, 1.0, 0.0]
         self.scalars = [True, True, True, False]
@@ -203,4 +203,4 @@ class FunctionalASGD:
             )
             for s in range(len(self.live)):
                 asgd_update(self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha, self.t0)
-            release(self.live)
+            release(self.live, self.groups)

@@ -17,12 +17,12 @@ from functional._validation import (
     check_types,
 )
 from functional._common import (
-    group_by_device_dtype,
     index_of,
     one_gradient,
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import check_spec_state, gather, no_operands, release
 
 
@@ -165,7 +165,7 @@ class FunctionalMuon:
         self.ns_steps = ns_steps
         self.adjust_lr_fn = adjust_lr_fn
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ["momentum_buffer"]
         self.fills = [0.0]
         self.scalars = [False]
@@ -232,4 +232,4 @@ class FunctionalMuon:
                     self.live[s], self.lr, self.weight_decay, self.momentum, self.nesterov,
                     self.ns_coefficients, self.ns_steps, self.eps, self.adjust_lr_fn,
                 )
-            release(self.live)
+            release(self.live, self.groups)

@@ -8,7 +8,6 @@ from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -19,6 +18,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     gather,
@@ -161,7 +161,7 @@ class FunctionalNAdam:
         self.capturable = bool(capturable)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ['step', 'mu_product', 'exp_avg', 'exp_avg_sq']
         self.fills = [0.0, 1.0, 0.0, 0.0]
         self.scalars = [True, True, False, False]
@@ -222,4 +222,4 @@ class FunctionalNAdam:
             )
             for s in range(len(self.live)):
                 nadam_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.decoupled_weight_decay, self.momentum_decay, self.eps)
-            release(self.live)
+            release(self.live, self.groups)

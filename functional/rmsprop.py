@@ -8,7 +8,6 @@ from functional._compile import ensure_scripted
 from functional._validation import check_at_least, check_lr, check_params, check_types
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -18,6 +17,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     decayed,
@@ -151,7 +151,7 @@ class FunctionalRMSprop:
         self.maximize = bool(maximize)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = rmsprop_keys(self.momentum, self.centered)
         self.fills = [0.0 for _ in self.keys]
         self.scalars = [k == "step" for k in self.keys]
@@ -226,4 +226,4 @@ class FunctionalRMSprop:
             )
             for s in range(len(self.live)):
                 rmsprop_update(self.live[s], lr, self.alpha, self.maximize, self.weight_decay, self.centered, self.eps, self.momentum)
-            release(self.live)
+            release(self.live, self.groups)

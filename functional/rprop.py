@@ -8,7 +8,6 @@ from functional._compile import ensure_scripted
 from functional._validation import check_etas, check_lr, check_params, check_types
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -18,6 +17,7 @@ from functional._common import (
     pair,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import (
     check_spec_state,
     gather,
@@ -121,7 +121,7 @@ class FunctionalRprop:
         self.maximize = bool(maximize)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ['step', 'prev', 'step_size']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = [True, False, False]
@@ -174,4 +174,4 @@ class FunctionalRprop:
             )
             for s in range(len(self.live)):
                 rprop_update(self.live[s], self.etas, self.step_sizes, self.maximize)
-            release(self.live)
+            release(self.live, self.groups)

@@ -16,7 +16,6 @@ from functional._validation import (
 from functional._common import (
     new_lr,
     checked_state,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -28,6 +27,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
+from functional._flat import Groups, layout, per_parameter
 from functional._kernels import (
     check_length,
     copy_back,
@@ -44,7 +44,7 @@ def sgd_gather(
     live: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
-    groups: List[List[int]],
+    groups: Groups,
     gradients: List[Optional[Tensor]],
     momentum: bool,
     fused: bool,
@@ -64,7 +64,7 @@ def sgd_gather(
     fits: List[bool] = []
     first_indices: List[int] = []
     sparse_indices: List[int] = []
-    for group in groups:
+    for group in per_parameter(groups):
         first = new_operands(1)
         later = new_operands(1)
         first_fit = False
@@ -238,7 +238,7 @@ class FunctionalSGD:
         self.fused = optional_flag(fused)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -298,7 +298,7 @@ class FunctionalSGD:
                 for buf in self.live[s][2]:
                     self.state[first_indices[k]] = {"momentum_buffer": buf}
                     k += 1
-            release(self.live)
+            release(self.live, self.groups)
             for i in sparse_indices:
                 grad = gradients[i]
                 assert grad is not None

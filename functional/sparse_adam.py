@@ -16,7 +16,6 @@ from functional._validation import (
 )
 from functional._common import (
     new_lr,
-    group_by_device_dtype,
     index_of,
     lr_float,
     lr_of,
@@ -26,6 +25,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
+from functional._flat import layout
 from functional._kernels import check_spec_state, gather, no_operands, release
 
 
@@ -124,7 +124,7 @@ class FunctionalSparseAdam:
         self.eps = float(eps)
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = group_by_device_dtype(params)
+        self.groups = layout(params)
         self.keys = ["step", "exp_avg", "exp_avg_sq"]
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = [True, False, False]
@@ -181,4 +181,4 @@ class FunctionalSparseAdam:
                         ops[0][j], ops[1][j], ops[2][j], ops[3][j], ops[4][j], lr,
                         self.betas[0], self.betas[1], self.eps, self.maximize,
                     )
-            release(self.live)
+            release(self.live, self.groups)

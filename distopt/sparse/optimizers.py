@@ -128,7 +128,8 @@ class _SparseOptimizer(DistributedOptimizer):
         _check_duplicates(duplicates)
         check_arguments(self._torch_class, (), kwargs)  # kinds first: torch's messages omit names
         _check_with_torch(self._torch_class, kwargs)
-        super().__init__(self._torch_class, rrefs, **kwargs)
+        # Shards stay as they are: their gradients are row-sparse (flat buffers are dense).
+        super().__init__(self._torch_class, rrefs, flat=False, **kwargs)
         #: The tables this optimizer updates, in parameter order.
         self.embeddings: List[ShardedEmbedding] = embeddings
         #: How rows looked up several times in one step combine: ``"sum"`` or ``"mean"``.

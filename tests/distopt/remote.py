@@ -377,3 +377,8 @@ def storage_intact(param_rref: rpc.RRef) -> bool:
     from tests.functional.layouts import outside_intact
 
     return outside_intact(param_rref.local_value())
+
+
+def storage_of(param_rref: rpc.RRef) -> int:
+    """The address of the parameter's storage (flat buffers put several in one)."""
+    return param_rref.local_value().untyped_storage().data_ptr()

@@ -1,0 +1,400 @@
+"""Flat parameter buffers: one kernel call per step over many small parameters.
+
+On CPU a fused or foreach kernel pays microseconds per tensor, so a step over thousands of
+small parameters is mostly bookkeeping. ``flatten_parameters`` makes the small parameters of
+one (device, dtype) views of one contiguous buffer (``p.data = buffer[a:b].view_as(p)``: the
+caller's Parameter objects stay the same leaves); the gathering pass (``_kernels.gather``)
+then steps such a buffer as one tensor when it can (``flat_operands``):
+
+- every member has a dense gradient of its shape and dtype, and still views the buffer
+  (``p.data = other`` or ``p.set_(...)`` since flattening is noticed here);
+- the members' state is flat as well: one buffer per state key, each member's entry a view
+  of it, so ``state`` and state_dict conversion stay per parameter as in torch.optim;
+- the members' scalar state (``step``, ``eta``, ``mu``, ``mu_product``) agrees.
+
+Otherwise the members step one by one on their views, as parameters that were never
+flattened do, exactly as before; the next step checks again, and state that stopped being
+flat (a loaded state_dict, a parameter stepped alone) is copied back into flat buffers once
+its members agree again.
+
+All of this is TorchScript-compilable except ``flatten_parameters``, which runs in Python
+before compiling.
+"""
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+@torch.jit.script
+class FlatBuffer(object):
+    """One flat parameter buffer and the state kept flat beside it.
+
+    Attributes:
+        members: indices of the parameters that view ``param``, in buffer order.
+        params: those parameters (the objects the optimizer steps).
+        views: the view each member was given (what it must still be set to).
+        offsets: where each member starts in ``param``.
+        param: the 1-D buffer.
+        grad: the flat gradient buffer (same size), filled at each flat step.
+        grad_views: ``grad``'s views shaped as the members.
+        keys: the state keys ``state`` holds flat buffers for.
+        state: state key -> flat buffer (1-D; a scalar key holds one element per member).
+        seen: the optimizer's state dict at the last flat step (a new dict from
+            ``set_state`` means its entries must be checked again).
+        valid: the members' entries in ``seen`` are views of ``state`` and agree.
+    """
+
+    def __init__(self, members: List[int], params: List[Tensor], views: List[Tensor],
+                 offsets: List[int], param: Tensor) -> None:
+        self.members = members
+        #: members[0] when the members are consecutive indices (their gradients are then
+        #: one slice of the list), else -1.
+        self.start = members[0] if members == list(range(members[0], members[0] + len(members))) else -1
+        self.params = params
+        self.views = views
+        self.offsets = offsets
+        self.param = param
+        self.grad = torch.zeros_like(param)
+        self.grad_views = [
+            self.grad[offsets[k]:offsets[k] + views[k].numel()].view_as(views[k])
+            for k in range(len(views))
+        ]
+        self.keys: List[str] = []
+        self.state: Dict[str, Tensor] = {}
+        self.seen: Dict[int, Dict[str, Tensor]] = {}
+        self.valid = False
+
+
+@torch.jit.script
+class Groups(object):
+    """How an optimizer's parameters are stepped: ``dense`` index groups of one (device,
+    dtype) each, stepped per parameter, and ``flats``, flat buffers stepped whole when they
+    can be. ``pending`` holds, during a step, the flat scalar state to spread from its first
+    element to all members after the update (``spread``)."""
+
+    def __init__(self, dense: List[List[int]], flats: List[FlatBuffer]) -> None:
+        self.dense = dense
+        self.flats = flats
+        self.pending: List[Tensor] = []
+
+
+def layout(params: List[Tensor]) -> Groups:
+    """Every parameter stepped per parameter, grouped by (device, dtype) in first-seen order
+    (a class's starting layout; ``flatten_parameters`` replaces it)."""
+    keys: List[str] = []
+    groups: Dict[str, List[int]] = {}
+    for i in range(len(params)):
+        p = params[i]
+        key = str(p.device) + "|" + str(p.dtype)
+        if key not in groups:
+            keys.append(key)
+            groups[key] = [i]
+        else:
+            groups[key].append(i)
+    return Groups([groups[k] for k in keys], torch.jit.annotate(List[FlatBuffer], []))
+
+
+def per_parameter(groups: Groups) -> List[List[int]]:
+    """Every index group, the flat buffers' members included, for a class that steps each
+    parameter on its own (Adafactor)."""
+    out: List[List[int]] = []
+    for f in groups.flats:
+        out.append(f.members)
+    for g in groups.dense:
+        out.append(g)
+    return out
+
+
+def flat_gradients(f: FlatBuffer, gradients: List[Optional[Tensor]], kinds: str) -> List[Tensor]:
+    """The members' gradients, if buffer ``f`` can step whole this time as far as they and
+    the members' storage say: each dense, of its member's shape and dtype, and each member
+    still set to its view. Else an empty list (the members then step one by one, where a bad
+    gradient gets its error)."""
+    grads: List[Tensor] = []
+    if kinds == "sparse":
+        return grads
+    m = len(f.members)
+    mine: List[Optional[Tensor]] = []
+    if f.start >= 0:
+        mine = gradients[f.start:f.start + m]
+    else:
+        for i in f.members:
+            mine.append(gradients[i])
+    # zip, not indexing: each index is one more interpreter instruction per member.
+    for g, p, v in zip(mine, f.params, f.views):
+        if g is None:
+            f.valid = False
+            return grads[:0]
+        if g.is_sparse or g.dtype != v.dtype or not g.is_same_size(v) or not p.is_set_to(v):
+            f.valid = False
+            return grads[:0]
+        grads.append(g)
+    return grads
+
+
+def flat_operands(
+    f: FlatBuffer,
+    state: Dict[int, Dict[str, Tensor]],
+    grads: List[Tensor],
+    keys: List[str],
+    fills: List[float],
+    scalars: List[bool],
+    pending: List[Tensor],
+) -> List[List[Tensor]]:
+    """The operand set ``[[param], [grad], [state[key]]...]`` that steps buffer ``f`` whole,
+    with ``grads`` (``flat_gradients``) copied into ``f.grad``; an empty list when the
+    members' state does not allow it (``flat_state``).
+
+    A scalar key's operand is the first member's element; its buffer goes to ``pending``,
+    for ``spread`` to copy that element to the others after the update.
+    """
+    if not (f.valid and state is f.seen and f.keys == keys):
+        if not flat_state(f, state, keys, fills, scalars):
+            return torch.jit.annotate(List[List[Tensor]], [])
+    torch._foreach_copy_(f.grad_views, grads)
+    ops = [[f.param], [f.grad]]
+    for k in range(len(keys)):
+        buf = f.state[keys[k]]
+        if scalars[k]:
+            ops.append([buf[0]])
+            pending.append(buf)
+        else:
+            ops.append([buf])
+    return ops
+
+
+def flat_state(
+    f: FlatBuffer,
+    state: Dict[int, Dict[str, Tensor]],
+    keys: List[str],
+    fills: List[float],
+    scalars: List[bool],
+) -> bool:
+    """Make the members' state flat, if it can be stepped whole: all members without state
+    (each gets fresh entries, views of new buffers filled as ``new_state`` fills them), or
+    all with every key and agreeing scalars (entries copied into new flat buffers unless
+    they already view ``f.state``). Whether the buffer can step whole."""
+    members = f.members
+    n_with = 0
+    for i in members:
+        if i in state:
+            n_with += 1
+    if n_with != 0 and n_with != len(members):
+        f.valid = False
+        return False
+    total = f.param.numel()
+    m = len(members)
+    if n_with == 0:
+        flat: Dict[str, Tensor] = {}
+        for k in range(len(keys)):
+            if scalars[k]:
+                flat[keys[k]] = torch.full([m], fills[k], dtype=torch.float32, device=f.param.device)
+            else:
+                flat[keys[k]] = torch.full([total], fills[k], dtype=f.param.dtype, device=f.param.device)
+        for j in range(m):
+            state[members[j]] = _entry_views(f, flat, j, keys, scalars)
+        f.state = flat
+    else:
+        for i in members:
+            entry = state[i]
+            for key in keys:
+                if key not in entry:
+                    f.valid = False
+                    return False
+        if not (f.keys == keys and _entries_are_views(f, state, keys, scalars)):
+            flat = _copied(f, state, keys, scalars)
+            for j in range(m):
+                entry = state[members[j]]
+                views = _entry_views(f, flat, j, keys, scalars)
+                for name in keys:
+                    entry[name] = views[name]
+            f.state = flat
+    f.keys = keys
+    f.seen = state
+    for k in range(len(keys)):
+        if scalars[k]:
+            buf = f.state[keys[k]]
+            if not bool(torch.all(buf == buf[0])):
+                f.valid = False
+                return False
+    f.valid = True
+    return True
+
+
+def _copied(
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[bool]
+) -> Dict[str, Tensor]:
+    """New flat buffers holding the members' state entries (which may be views of the
+    current ones, so these are not written in place)."""
+    flat: Dict[str, Tensor] = {}
+    for k in range(len(keys)):
+        if scalars[k]:
+            flat[keys[k]] = _copied_scalars(f, state, keys[k])
+        else:
+            flat[keys[k]] = _copied_tensors(f, state, keys[k])
+    return flat
+
+
+def _copied_scalars(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], name: str) -> Tensor:
+    """The members' 0-dim entries ``name``, one element each."""
+    values: List[Tensor] = []
+    for i in f.members:
+        values.append(state[i][name].reshape([1]))
+    return torch.cat(values).to(torch.float32)
+
+
+def _copied_tensors(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], name: str) -> Tensor:
+    """The members' entries ``name`` at their offsets in one new buffer."""
+    out = torch.zeros_like(f.param)
+    for k in range(len(f.members)):
+        src = state[f.members[k]][name]
+        a = f.offsets[k]
+        out[a:a + src.numel()].view_as(src).copy_(src)
+    return out
+
+
+def _entry_views(
+    f: FlatBuffer, flat: Dict[str, Tensor], j: int, keys: List[str], scalars: List[bool]
+) -> Dict[str, Tensor]:
+    """Member ``j``'s state entry as views of the flat buffers ``flat``."""
+    v = f.views[j]
+    a = f.offsets[j]
+    entry: Dict[str, Tensor] = {}
+    for k in range(len(keys)):
+        buf = flat[keys[k]]
+        if scalars[k]:
+            entry[keys[k]] = buf[j]
+        else:
+            entry[keys[k]] = buf[a:a + v.numel()].view_as(v)
+    return entry
+
+
+def _entries_are_views(
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[bool]
+) -> bool:
+    """Whether every member's entries are still the views of ``f.state`` it was given."""
+    for j in range(len(f.members)):
+        entry = state[f.members[j]]
+        v = f.views[j]
+        a = f.offsets[j]
+        for k in range(len(keys)):
+            buf = f.state[keys[k]]
+            if scalars[k]:
+                if not entry[keys[k]].is_set_to(buf[j]):
+                    return False
+            elif not entry[keys[k]].is_set_to(buf[a:a + v.numel()].view_as(v)):
+                return False
+    return True
+
+
+def spread(groups: Groups) -> None:
+    """After the update: copy each flat scalar state's first element (the one the kernel
+    advanced) to every member."""
+    for buf in groups.pending:
+        buf.fill_(buf[0].item())
+    groups.pending.clear()
+
+
+#: The classes whose update is elementwise, so that stepping a buffer whole equals stepping
+#: its members one by one. Adafactor and Muon update by a parameter's shape (row and column
+#: statistics, orthogonalisation); SparseAdam takes sparse gradients only.
+FLAT_CLASSES = (
+    "FunctionalAdam", "FunctionalAdagrad", "FunctionalAdadelta",
+    "FunctionalAdamax", "FunctionalRMSprop", "FunctionalRprop", "FunctionalNAdam",
+    "FunctionalRAdam", "FunctionalASGD",
+)
+
+#: Parameters with more elements step on their own: the per-tensor cost of a kernel is
+#: small beside theirs, and the copy into the flat gradient buffer would add to it.
+DEFAULT_MAX_NUMEL = 1 << 15
+
+
+def flatten_parameters(optim: Any, max_numel: int = DEFAULT_MAX_NUMEL) -> Any:
+    """Put ``optim``'s small parameters into flat buffers, one per (device, dtype); in place.
+
+    A parameter is flattened when its storage is its own: dense, contiguous, the whole of
+    its storage, sharing it with no other parameter, of a floating dtype, with at most
+    ``max_numel`` elements. Each becomes a view of its buffer (``p.data = view``), with its
+    values; the Parameter objects, their ``requires_grad`` and their place in autograd stay
+    as they were. Others keep the per-parameter path. Call it before ``script_optimizer``.
+    State the optimizer already has is made flat at the next step that can use it.
+
+    Args:
+        optim: an eager instance of one of the elementwise functional classes
+            (``FLAT_CLASSES``: SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop,
+            NAdam, RAdam, ASGD).
+        max_numel: parameters with more elements are not flattened.
+
+    Returns:
+        ``optim``.
+
+    Raises:
+        ValueError: for a class that does not step elementwise, a compiled optimizer, or a
+            negative ``max_numel``.
+    """
+    name = type(optim).__name__
+    if isinstance(optim, torch.jit.ScriptModule):
+        raise ValueError(
+            "Invalid optim: a compiled optimizer (expected the functional instance; flatten "
+            "it before script_optimizer)"
+        )
+    if name not in FLAT_CLASSES:
+        raise ValueError(
+            f"Invalid optim: {name} (expected one of the elementwise classes {list(FLAT_CLASSES)}; "
+            f"Adafactor and Muon update by a parameter's shape, SparseAdam takes sparse gradients)"
+        )
+    if isinstance(max_numel, bool) or not isinstance(max_numel, int) or max_numel < 0:
+        raise ValueError(f"Invalid max_numel: {max_numel!r} (expected an int >= 0)")
+    params: List[Tensor] = optim.params
+    chosen = _flattenable(params, max_numel)
+    flats: List[FlatBuffer] = []
+    members_of: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+    for i in chosen:
+        members_of.setdefault((params[i].device, params[i].dtype), []).append(i)
+    flat_members = set(chosen)
+    for (device, dtype), members in members_of.items():
+        if len(members) < 2:
+            flat_members.difference_update(members)
+            continue
+        total = sum(params[i].numel() for i in members)
+        buf = torch.empty(total, dtype=dtype, device=device)
+        views: List[Tensor] = []
+        offsets: List[int] = []
+        a = 0
+        with torch.no_grad():
+            for i in members:
+                p = params[i]
+                v = buf[a:a + p.numel()].view_as(p)
+                v.copy_(p)
+                p.data = v
+                views.append(v)
+                offsets.append(a)
+                a += p.numel()
+        flats.append(FlatBuffer(members, [params[i] for i in members], views, offsets, buf))
+    dense = [[i for i in group if i not in flat_members] for group in layout(params).dense]
+    optim.groups = Groups([g for g in dense if g], flats)
+    return optim
+
+
+def _flattenable(params: List[Tensor], max_numel: int) -> List[int]:
+    """Indices of the parameters whose storage is their own (see ``flatten_parameters``)."""
+    storages: Dict[int, int] = {}
+    for p in params:
+        if p.layout == torch.strided:
+            ptr = p.untyped_storage().data_ptr()
+            storages[ptr] = storages.get(ptr, 0) + 1
+    out: List[int] = []
+    for i, p in enumerate(params):
+        if (
+            p.layout == torch.strided
+            and p.dtype.is_floating_point
+            and 0 < p.numel() <= max_numel
+            and p.is_contiguous()
+            and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+            and storages[p.untyped_storage().data_ptr()] == 1
+            and p._base is None
+        ):
+            out.append(i)
+    return out

@@ -1,0 +1,252 @@
+"""Flat parameter buffers (``functional.flatten_parameters``): the same numbers as torch.optim
+and as the per-parameter path, with the flat step really taken, and noticed when it cannot be."""
+from typing import Any, List, Optional
+
+import pytest
+import torch
+
+from functional import (
+    FunctionalAdafactor,
+    FunctionalAdam,
+    FunctionalSGD,
+    flatten_parameters,
+    load_torch_state_dict,
+    script_optimizer,
+    to_torch_state_dict,
+)
+from functional._flat import FLAT_CLASSES
+
+from .case import Case
+from .cases import ALL_CASES
+
+RTOL, ATOL = 1e-5, 1e-6
+FLAT_CASES = [
+    c for c in ALL_CASES
+    if not c.sparse and c.functional_cls.__name__ in FLAT_CLASSES
+    or (c.functional_cls.__name__ == "FunctionalAdamW" and not c.sparse)
+]
+#: Steps 0-3 give every gradient (the flat step), step 4 leaves parameter 1 out (its step
+#: count falls behind: per parameter from then on), the rest give every gradient again.
+DENSE_STEPS = 4
+
+
+def _grads(case: Case, step: int) -> List[Optional[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    grads: List[Optional[torch.Tensor]] = [
+        torch.randn(s, generator=gen, dtype=case.dtype) for s in case.shapes
+    ]
+    if step == DENSE_STEPS:
+        grads[1] = None
+    return grads
+
+
+def _clone(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    return [None if g is None else g.clone() for g in grads]
+
+
+def _make(case: Case, params: List[torch.Tensor], flat: bool, compiled: bool) -> Any:
+    optim = case.functional_cls(params, **case.kwargs_copy())
+    if flat:
+        flatten_parameters(optim)
+    return script_optimizer(optim) if compiled else optim
+
+
+def _stepped_flat(opt: Any) -> bool:
+    """Whether the members' state entries are views of one buffer (the flat step made them)."""
+    state = opt.get_state() if isinstance(opt, torch.jit.ScriptModule) else opt.state
+    tensors = [v for entry in state.values() for v in entry.values() if v.dim() > 0]
+    scalars = [v for entry in state.values() for v in entry.values() if v.dim() == 0]
+    storages = {t.untyped_storage().data_ptr() for t in tensors + scalars}
+    keys = {k for entry in state.values() for k in entry}
+    return len(state) > 1 and len(storages) == len(keys)
+
+
+def _torch_step(opt: torch.optim.Optimizer, params, grads) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+
+
+def test_the_flat_classes_are_the_elementwise_ones():
+    assert len(FLAT_CASES) > 100
+    assert {c.functional_cls.__name__ for c in FLAT_CASES} >= set(FLAT_CLASSES)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", FLAT_CASES, ids=[c.id for c in FLAT_CASES])
+def test_flat_matches_torch_and_the_per_parameter_path(case: Case, compiled: bool) -> None:
+    """Flat steps, then a None gradient (per parameter from then on), a hyper-parameter
+    change, a state_dict both ways: equal to torch.optim, and to the per-parameter
+    functional optimizer, within the parity tolerances. (Not bit for bit: a kernel computes
+    the last few elements of a tensor apart from its vector blocks, and a member's last
+    elements are inside the buffer's blocks; 1 ulp apart after a step, measured.)"""
+    ref = [p.requires_grad_() for p in case.make_params()]
+    flat = [p.requires_grad_() for p in case.make_params()]
+    plain = [p.requires_grad_() for p in case.make_params()]
+    ref_opt = case.torch_cls(ref, **case.torch_kwargs_copy())
+    opt = _make(case, flat, flat=True, compiled=compiled)
+    plain_opt = _make(case, plain, flat=False, compiled=compiled)
+    for step in range(case.steps):
+        if step == DENSE_STEPS:
+            assert _stepped_flat(opt), "the dense steps did not step the buffer whole"
+        if step == DENSE_STEPS + 2:
+            for group in ref_opt.param_groups:
+                group["lr"] = float(group["lr"]) * 0.5
+            opt.set_hyperparameter("lr", [float(ref_opt.param_groups[0]["lr"])])
+            plain_opt.set_hyperparameter("lr", [float(ref_opt.param_groups[0]["lr"])])
+        grads = _grads(case, step)
+        _torch_step(ref_opt, ref, _clone(grads))
+        opt.step(_clone(grads))
+        plain_opt.step(_clone(grads))
+        for i, (a, b, r) in enumerate(zip(flat, plain, ref)):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(a.detach(), r.detach(), rtol=RTOL, atol=ATOL)
+    ours = to_torch_state_dict(opt, case.torch_cls)
+    theirs = ref_opt.state_dict()
+    assert sorted(ours["state"]) == sorted(theirs["state"])
+    for i, entry in theirs["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(ours["state"][i][key], value, rtol=RTOL, atol=ATOL)
+
+    # torch.optim's state, every step count equal, loads and steps whole again.
+    again = [p.detach().clone().requires_grad_() for p in ref]
+    back = _make(case, again, flat=True, compiled=compiled)
+    equal_steps = case.torch_cls([p.detach().clone().requires_grad_() for p in ref],
+                                 **case.torch_kwargs_copy())
+    dense = [g for g in _grads(case, 0)]
+    _torch_step(equal_steps, equal_steps.param_groups[0]["params"], _clone(dense))
+    load_torch_state_dict(back, case.torch_cls, equal_steps.state_dict())
+    ref2 = equal_steps.param_groups[0]["params"]
+    with torch.no_grad():
+        for a, r in zip(again, ref2):
+            a.copy_(r)
+    for step in range(3):
+        grads = _grads(case, 100 + step)
+        _torch_step(equal_steps, ref2, _clone(grads))
+        back.step(_clone(grads))
+    assert _stepped_flat(back)
+    for a, r in zip(again, ref2):
+        torch.testing.assert_close(a.detach(), r.detach(), rtol=RTOL, atol=ATOL)
+
+
+def _layer_params() -> List[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((4, 3), (3,), (5,), (2, 2))]
+
+
+def test_flattening_keeps_parameters_and_autograd():
+    params = _layer_params()
+    before = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    buf = opt.groups.flats[0].param
+    for p, b, i in zip(params, before, ids):
+        assert id(p) == i and p.is_leaf and p.requires_grad
+        assert torch.equal(p, b)
+        assert p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    loss = sum((p * p).sum() for p in params)
+    loss.backward()
+    for p in params:
+        torch.testing.assert_close(p.grad, 2 * p.detach())
+
+
+@pytest.mark.parametrize("how", ["data", "set_", "load_state_dict(assign=True)"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_replaced_parameter_is_noticed(how: str, compiled: bool):
+    """After the user replaces a flattened parameter's storage, the step updates the new
+    storage (never the buffer nobody reads) and equals torch.optim."""
+    mine = _layer_params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    opt = FunctionalAdam(mine, lr=0.1)
+    flatten_parameters(opt)
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch.optim.Adam(ref, lr=0.1)
+    for step in range(5):
+        if step == 2:
+            new = torch.full((3,), 7.0)
+            if how == "data":
+                mine[1].data = new.clone()
+            elif how == "set_":
+                with torch.no_grad():
+                    mine[1].set_(new.clone())
+            else:
+                # A new Parameter object in the module; the optimizer keeps stepping the one
+                # it was given, as torch.optim does (so the reference is left alone).
+                module = torch.nn.Module()
+                module.register_parameter("b", mine[1])
+                module.load_state_dict({"b": new.clone()}, assign=True)
+                assert module.b is not mine[1]
+                replaced = module.b
+            if how != "load_state_dict(assign=True)":
+                with torch.no_grad():
+                    ref[1].copy_(new)
+        grads = [torch.full(p.shape, 0.5 + step) for p in mine]
+        opt.step([g.clone() for g in grads])
+        _torch_step(ref_opt, ref, [g.clone() for g in grads])
+    if how == "load_state_dict(assign=True)":
+        torch.testing.assert_close(replaced.detach(), torch.full((3,), 7.0))
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a.detach(), r.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_parameters_that_cannot_be_flattened_step_beside_the_buffer(compiled: bool):
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 6, generator=gen)
+    shared = torch.randn(8, generator=gen)
+
+    def params() -> List[torch.Tensor]:
+        return [
+            torch.randn(4, 3, generator=torch.Generator().manual_seed(1)),
+            base.clone()[:, :3],                       # a view with gaps
+            torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)),
+            torch.randn(50, generator=torch.Generator().manual_seed(3)),  # over max_numel
+            torch.randn(5, generator=torch.Generator().manual_seed(4)),
+            shared.clone(),
+        ]
+
+    mine = [p.requires_grad_() for p in params()]
+    mine.append(mine[-1].detach().view(2, 4).requires_grad_())  # shares storage with the last
+    ref = [p.detach().clone().requires_grad_() for p in params()]
+    ref.append(ref[-1].detach().view(2, 4).requires_grad_())
+    opt = flatten_parameters(FunctionalAdam(mine, lr=0.05), max_numel=40)
+    flats = opt.groups.flats
+    assert [f.members for f in flats] == [[0, 4]]
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch.optim.Adam(ref, lr=0.05, foreach=False)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in mine]
+        opt.step([g.clone() for g in grads])
+        _torch_step(ref_opt, ref, [g.clone() for g in grads])
+        for a, r in zip(mine, ref):
+            torch.testing.assert_close(a.detach(), r.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_bad_gradients_get_the_per_parameter_errors_and_change_nothing():
+    params = _layer_params()
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    grads = [torch.ones_like(p) for p in params]
+    opt.step(grads)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"Invalid gradients\[2\]: shape"):
+        opt.step(grads[:2] + [torch.ones(4)] + grads[3:])
+    with pytest.raises(ValueError, match=r"Invalid gradients\[0\]: dtype"):
+        opt.step([grads[0].double()] + grads[1:])
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    assert all(float(e["step"]) == 1.0 for e in opt.state.values())
+
+
+def test_flatten_parameters_refuses_what_it_cannot_do():
+    params = _layer_params()
+    with pytest.raises(ValueError, match="Invalid optim: FunctionalAdafactor"):
+        flatten_parameters(FunctionalAdafactor(params))
+    with pytest.raises(ValueError, match="Invalid optim: a compiled optimizer"):
+        flatten_parameters(script_optimizer(FunctionalAdam(params)))
+    with pytest.raises(ValueError, match="Invalid max_numel: -1"):
+        flatten_parameters(FunctionalAdam(params), max_numel=-1)
+    with pytest.raises(ValueError, match="Invalid optim: FunctionalSGD"):
+        flatten_parameters(FunctionalSGD(params, lr=0.1))
