@@ -27,8 +27,12 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import torch  # noqa: E402
 
-from functional import flatten_parameters, functional_optim_map, script_optimizer  # noqa: E402
-from functional._flat import FLAT_CLASSES  # noqa: E402
+from functional import (  # noqa: E402
+    FLAT_CLASSES,
+    flatten_parameters,
+    functional_optim_map,
+    script_optimizer,
+)
 
 logger = logging.getLogger("benchmarks.functional")
 
@@ -150,10 +154,7 @@ def main() -> None:
                 if step is not None:
                     steps[name] = step
             steps["distopt"], state_bytes = functional_step(cls, shapes, kwargs)
-            functional_cls = functional_optim_map[cls]
-            # FunctionalAdamW is a function that builds a FunctionalAdam.
-            flattens = cls is torch.optim.AdamW or functional_cls.__name__ in FLAT_CLASSES
-            if flattens and shapes is MANY:
+            if functional_optim_map[cls].__name__ in FLAT_CLASSES and shapes is MANY:
                 steps["flat"], _ = functional_step(cls, shapes, kwargs, flat=True)
             medians = interleaved_medians(steps, repeats)
             ours = medians.pop("distopt")

@@ -27,8 +27,12 @@ from torch import Tensor
 
 from distopt import locks
 from distopt.context import has_context
-from functional import flatten_parameters, load_torch_state_dict, to_torch_state_dict
-from functional._flat import FLAT_CLASSES
+from functional import (
+    FLAT_CLASSES,
+    flatten_parameters,
+    load_torch_state_dict,
+    to_torch_state_dict,
+)
 from functional._state import (
     checked_state,
     functional_state,
@@ -253,7 +257,8 @@ class _FunctionalGroups(torch.nn.Module):
         if flat:
             for optim in self.optims:
                 if type(optim).__name__ in FLAT_CLASSES:
-                    flatten_parameters(optim)
+                    # Owners step with the gradients autograd accumulated in a context.
+                    flatten_parameters(optim, autograd_gradients=True)
         #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
         #: stops being exclusive or is released, for a trainer that missed the switch.
         self.refusal = ""

@@ -4,7 +4,7 @@ Each class takes its parameters once and the gradients at every ``step(gradients
 reading ``.grad``; it keeps torch.optim's arguments, defaults and state keys, and compiles
 with TorchScript so that its step runs without the GIL.
 """
-from functional._flat import flatten_parameters
+from functional._flat import FLAT_CLASSES, flatten_parameters
 from functional._registry import functional_optim_map, register_functional_optimizer
 from functional._scripted import ScriptedOptimizer, script_optimizer
 from functional._state import load_torch_state_dict, to_torch_state_dict
@@ -23,6 +23,7 @@ from functional.sgd import FunctionalSGD
 from functional.sparse_adam import FunctionalSparseAdam
 
 __all__ = [
+    "FLAT_CLASSES",
     "FunctionalASGD",
     "FunctionalAdadelta",
     "FunctionalAdafactor",

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from functional._common import checked_state, dtype_name, meta_params
-from functional._flat import FlatBuffer, Groups, flat_gradients, flat_operands, spread
+from functional._flat import Groups, flat_operands, split_flats, spread
 
 def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[bool]) -> Dict[str, Tensor]:
     """A fresh state entry for ``p``: ``keys[k]`` holds ``fills[k]``, as a 0-dim float32
@@ -109,18 +109,7 @@ def gather(
     groups.pending.clear()
     fits: List[bool] = []
     created: List[int] = []
-    todo: List[List[int]] = []
-    whole: List[FlatBuffer] = []
-    whole_grads: List[List[Tensor]] = []
-    for f in groups.flats:
-        grads = flat_gradients(f, gradients, kinds)
-        if len(grads) == 0:
-            todo.append(f.members)
-        else:
-            whole.append(f)
-            whole_grads.append(grads)
-    for group in groups.dense:
-        todo.append(group)
+    todo, whole, whole_grads = split_flats(groups, gradients, kinds)
     sparse_ops = new_operands(len(keys))
     _gather_groups(
         live, fits, params, state, todo, gradients, keys, fills, scalars, kinds, refusal,

@@ -26,7 +26,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
-from functional._flat import Groups, layout, per_parameter
+from functional._flat import Groups, layout
 from functional._kernels import (
     check_length,
     increment_steps,
@@ -75,7 +75,7 @@ def adafactor_gather(
     check_length(params, gradients)
     live.clear()
     created: List[int] = []
-    for group in per_parameter(groups):
+    for group in groups.dense:  # Adafactor is never flattened: no flat buffers
         mat = new_operands(3)
         vec = new_operands(3)
         for i in group:

@@ -27,7 +27,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
-from functional._flat import Groups, layout, per_parameter
+from functional._flat import Groups, flat_operands, layout, split_flats
 from functional._kernels import (
     check_length,
     copy_back,
@@ -48,23 +48,45 @@ def sgd_gather(
     gradients: List[Optional[Tensor]],
     momentum: bool,
     fused: bool,
-) -> Tuple[List[bool], List[int], List[int]]:
+) -> Tuple[List[bool], List[int], List[Tensor], List[int]]:
     """SGD's one pass (``_kernels.gather``'s, split by momentum history): per group, the
     operand set ``[params, grads, bufs]`` of first momentum steps (new buffers laid out as
     their parameters, which the kernel fills with the gradient: torch.optim's ``b_1 = g``),
-    then that of later steps.
+    then that of later steps. A flat buffer that steps whole adds such a pair too, one of
+    them empty; its members' state entries are views of the flat momentum buffer.
 
     Returns:
         Per operand set whether ``fit_fused_layouts`` must run (when ``fused``); the indices
-        of the new buffers, in order (they enter the state after the kernel); the indices
-        of parameters with a sparse gradient (stepped one by one, as torch.optim does).
+        of the new per-parameter buffers and the buffers (they enter the state after the
+        kernel); the indices of parameters with a sparse gradient (stepped one by one, as
+        torch.optim does).
     """
     check_length(params, gradients)
     live.clear()
+    groups.pending.clear()
     fits: List[bool] = []
     first_indices: List[int] = []
+    first_bufs: List[Tensor] = []
     sparse_indices: List[int] = []
-    for group in per_parameter(groups):
+    todo, whole, whole_grads = split_flats(groups, gradients, "both")
+    for k in range(len(whole)):
+        f = whole[k]
+        # All members or none have a momentum buffer once the flat state is made (else the
+        # buffer steps per parameter); none: the kernel's first step fills the new one.
+        first = momentum and f.members[0] not in state
+        keys = ["momentum_buffer"] if momentum else torch.jit.annotate(List[str], [])
+        ops = flat_operands(f, state, whole_grads[k], keys, [0.0], [False], groups.pending)
+        if len(ops) == 0:
+            todo.append(f.members)
+            continue
+        if not momentum:
+            ops.append(torch.jit.annotate(List[Tensor], []))
+        empty = new_operands(1)
+        live.append(ops if first else empty)
+        live.append(empty if first else ops)
+        fits.append(False)
+        fits.append(False)
+    for group in todo:
         first = new_operands(1)
         later = new_operands(1)
         first_fit = False
@@ -87,15 +109,17 @@ def sgd_gather(
                     first[0].append(p)
                     first[1].append(g)
                     if momentum:
+                        buf = torch.empty_like(p)
                         first_indices.append(i)
-                        first[2].append(torch.empty_like(p))
+                        first_bufs.append(buf)
+                        first[2].append(buf)
                     if fused and not first_fit:
                         first_fit = not (p.is_contiguous() and g.is_contiguous())
         live.append(first)
         live.append(later)
         fits.append(first_fit)
         fits.append(later_fit)
-    return fits, first_indices, sparse_indices
+    return fits, first_indices, first_bufs, sparse_indices
 
 
 def sgd_update(
@@ -284,7 +308,7 @@ class FunctionalSGD:
         """
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            fits, first_indices, sparse_indices = sgd_gather(
+            fits, first_indices, first_bufs, sparse_indices = sgd_gather(
                 self.live, self.params, self.state, self.groups, gradients,
                 self.momentum != 0.0, self.use_fused,
             )
@@ -293,11 +317,8 @@ class FunctionalSGD:
                     self.live[s], fits[s], s % 2 == 0, lr, self.momentum, self.dampening,
                     self.weight_decay, self.nesterov, self.maximize, self.use_fused,
                 )
-            k = 0
-            for s in range(0, len(fits), 2):
-                for buf in self.live[s][2]:
-                    self.state[first_indices[k]] = {"momentum_buffer": buf}
-                    k += 1
+            for k in range(len(first_indices)):
+                self.state[first_indices[k]] = {"momentum_buffer": first_bufs[k]}
             release(self.live, self.groups)
             for i in sparse_indices:
                 grad = gradients[i]

@@ -52,8 +52,9 @@ def storages(rrefs: List[rpc.RRef]) -> List[int]:
 @pytest.mark.parametrize(
     "optimizer_class,kwargs",
     [(torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.1}), (torch.optim.RAdam, {"lr": 0.05}),
-     (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01})],
-    ids=["Adam", "RAdam", "Adagrad"],
+     (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01}),
+     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})],
+    ids=["Adam", "RAdam", "Adagrad", "SGD"],
 )
 def test_owners_flatten_by_default_and_match_torch(world, optimizer_class, kwargs):
     rrefs, local = make(0)

@@ -6,25 +6,21 @@ import pytest
 import torch
 
 from functional import (
+    FLAT_CLASSES,
     FunctionalAdafactor,
     FunctionalAdam,
-    FunctionalSGD,
+    FunctionalSparseAdam,
     flatten_parameters,
     load_torch_state_dict,
     script_optimizer,
     to_torch_state_dict,
 )
-from functional._flat import FLAT_CLASSES
 
 from .case import Case
 from .cases import ALL_CASES
 
 RTOL, ATOL = 1e-5, 1e-6
-FLAT_CASES = [
-    c for c in ALL_CASES
-    if not c.sparse and c.functional_cls.__name__ in FLAT_CLASSES
-    or (c.functional_cls.__name__ == "FunctionalAdamW" and not c.sparse)
-]
+FLAT_CASES = [c for c in ALL_CASES if not c.sparse and c.functional_cls.__name__ in FLAT_CLASSES]
 #: Steps 0-3 give every gradient (the flat step), step 4 leaves parameter 1 out (its step
 #: count falls behind: per parameter from then on), the rest give every gradient again.
 DENSE_STEPS = 4
@@ -51,9 +47,16 @@ def _make(case: Case, params: List[torch.Tensor], flat: bool, compiled: bool) ->
     return script_optimizer(optim) if compiled else optim
 
 
-def _stepped_flat(opt: Any) -> bool:
-    """Whether the members' state entries are views of one buffer (the flat step made them)."""
+def _stepped_flat(opt: Any, grads: List[Optional[torch.Tensor]]) -> bool:
+    """Whether the last step (with ``grads``) stepped the buffer whole: its flat gradient
+    buffer holds them, and the members' state entries are views of one buffer per key."""
+    groups = opt.optim.groups if isinstance(opt, torch.jit.ScriptModule) else opt.groups
+    flat = groups.flats[0]
+    if not torch.equal(flat.grad, torch.cat([grads[i].reshape(-1) for i in flat.members])):
+        return False
     state = opt.get_state() if isinstance(opt, torch.jit.ScriptModule) else opt.state
+    if not state:
+        return True  # a class that keeps no state (SGD without momentum)
     tensors = [v for entry in state.values() for v in entry.values() if v.dim() > 0]
     scalars = [v for entry in state.values() for v in entry.values() if v.dim() == 0]
     storages = {t.untyped_storage().data_ptr() for t in tensors + scalars}
@@ -88,7 +91,7 @@ def test_flat_matches_torch_and_the_per_parameter_path(case: Case, compiled: boo
     plain_opt = _make(case, plain, flat=False, compiled=compiled)
     for step in range(case.steps):
         if step == DENSE_STEPS:
-            assert _stepped_flat(opt), "the dense steps did not step the buffer whole"
+            assert _stepped_flat(opt, _grads(case, step - 1)), "the dense steps did not step the buffer whole"
         if step == DENSE_STEPS + 2:
             for group in ref_opt.param_groups:
                 group["lr"] = float(group["lr"]) * 0.5
@@ -124,7 +127,7 @@ def test_flat_matches_torch_and_the_per_parameter_path(case: Case, compiled: boo
         grads = _grads(case, 100 + step)
         _torch_step(equal_steps, ref2, _clone(grads))
         back.step(_clone(grads))
-    assert _stepped_flat(back)
+    assert _stepped_flat(back, grads)
     for a, r in zip(again, ref2):
         torch.testing.assert_close(a.detach(), r.detach(), rtol=RTOL, atol=ATOL)
 
@@ -240,13 +243,41 @@ def test_bad_gradients_get_the_per_parameter_errors_and_change_nothing():
     assert all(float(e["step"]) == 1.0 for e in opt.state.values())
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_autograd_gradients_skip_only_the_checks_autograd_made(compiled: bool):
+    """With ``autograd_gradients=True`` (what owners use) the flat step still matches
+    torch.optim on gradients from backward, and a None gradient still steps per parameter."""
+    mine = _layer_params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    opt = flatten_parameters(FunctionalAdam(mine, lr=0.1), autograd_gradients=True)
+    assert not opt.groups.flats[0].check_gradients
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch.optim.Adam(ref, lr=0.1)
+    for step in range(4):
+        used = [0, 2, 3] if step == 2 else [0, 1, 2, 3]
+        for params in (mine, ref):
+            for p in params:
+                p.grad = None
+            sum(((params[i] * (step + 1)).tanh()).sum() for i in used).backward()
+        grads = [p.grad for p in mine]
+        opt.step(grads)
+        ref_opt.step()
+        if step == 1:
+            assert _stepped_flat(opt, grads)
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a.detach(), r.detach(), rtol=RTOL, atol=ATOL)
+
+
 def test_flatten_parameters_refuses_what_it_cannot_do():
     params = _layer_params()
     with pytest.raises(ValueError, match="Invalid optim: FunctionalAdafactor"):
         flatten_parameters(FunctionalAdafactor(params))
+    with pytest.raises(ValueError, match="Invalid optim: FunctionalSparseAdam"):
+        flatten_parameters(FunctionalSparseAdam(params))
     with pytest.raises(ValueError, match="Invalid optim: a compiled optimizer"):
         flatten_parameters(script_optimizer(FunctionalAdam(params)))
+    with pytest.raises(ValueError, match="Invalid autograd_gradients: 1"):
+        flatten_parameters(FunctionalAdam(params), autograd_gradients=1)
     with pytest.raises(ValueError, match="Invalid max_numel: -1"):
         flatten_parameters(FunctionalAdam(params), max_numel=-1)
-    with pytest.raises(ValueError, match="Invalid optim: FunctionalSGD"):
-        flatten_parameters(FunctionalSGD(params, lr=0.1))
