@@ -23,13 +23,15 @@ def backend_options(port: int, rpc_timeout: float = 120.0) -> rpc.TensorPipeRpcB
     )
 
 
-def run_owner(rank: int, world_size: int, port: int) -> None:
-    """Process entry point: join as ``owner<rank>`` and serve until the trainer shuts down."""
+def run_owner(rank: int, world_size: int, port: int, threads: int = 1) -> None:
+    """Process entry point: join as ``owner<rank>`` and serve until the trainer shuts down;
+    ``threads`` intra-op threads (0: torch's default)."""
     import warnings
 
     warnings.filterwarnings("ignore", message="You are using a Backend")
     warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script, in torch's optimizer
-    torch.set_num_threads(1)
+    if threads > 0:
+        torch.set_num_threads(threads)
     rpc.init_rpc(
         f"owner{rank}", rank=rank, world_size=world_size, rpc_backend_options=backend_options(port)
     )

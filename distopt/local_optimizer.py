@@ -377,6 +377,8 @@ class CompiledLocalOptimizer(LocalOptimizer):
         kwargs: keyword arguments shared by every group; a group's own options win.
         trainer: (worker name, key) of the creating DistributedOptimizer; None keeps the
             optimizer on the locked path.
+        flat: put each group's small parameters into flat buffers, for the elementwise
+            classes (``functional.flatten_parameters`` with autograd's gradients).
 
     Attributes:
         module: the scripted module (it holds its own copies of the functional optimizers).

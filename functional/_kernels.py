@@ -260,6 +260,27 @@ def no_operands() -> List[List[List[Tensor]]]:
     return torch.jit.annotate(List[List[List[Tensor]]], [])
 
 
+def add_sparse_(dense: Tensor, sparse: Tensor, alpha: float = 1.0) -> None:
+    """``dense += alpha * sparse`` for a sparse COO ``sparse``, exact wherever ``dense`` lies.
+
+    ``Tensor.add_`` of a sparse tensor to a dense one that does not start its storage (a flat
+    parameter's view, a slice) writes at the storage's start instead, and past its end: wrong
+    numbers, then a heap abort (torch 2.13 CPU, measured; torch.optim meets it too). Such a
+    ``dense`` gets ``index_put_`` with accumulation, the same sums in the same order.
+    """
+    if dense.storage_offset() == 0 and dense.is_contiguous():
+        dense.add_(sparse, alpha=alpha)
+        return
+    indices = sparse._indices()
+    values = sparse._values()
+    if alpha != 1.0:
+        values = values * alpha
+    rows: List[Optional[Tensor]] = []
+    for d in range(indices.size(0)):
+        rows.append(indices[d])
+    dense.index_put_(rows, values, accumulate=True)
+
+
 def increment_steps(steps: List[Tensor]) -> None:
     """Add 1 to every ``step`` tensor.
 

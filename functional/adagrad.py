@@ -27,6 +27,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
+    add_sparse_,
     check_spec_state,
     copy_back,
     decayed,
@@ -93,10 +94,10 @@ def adagrad_sparse_update(
         grad = grad.coalesce()
         indices = grad._indices()
         values = grad._values()
-        state_sum.add_(torch.sparse_coo_tensor(indices, values.pow(2), grad.size()))
+        add_sparse_(state_sum, torch.sparse_coo_tensor(indices, values.pow(2), grad.size()))
         std = state_sum.sparse_mask(grad)
         std_values = std._values().sqrt_().add_(eps)
-        param.add_(torch.sparse_coo_tensor(indices, values / std_values, grad.size()), alpha=-clr)
+        add_sparse_(param, torch.sparse_coo_tensor(indices, values / std_values, grad.size()), -clr)
 
 
 class FunctionalAdagrad:

@@ -29,6 +29,7 @@ from functional._common import (
 )
 from functional._flat import Groups, flat_operands, layout, split_flats
 from functional._kernels import (
+    add_sparse_,
     check_length,
     copy_back,
     fit_fused_layouts,
@@ -69,6 +70,11 @@ def sgd_gather(
     first_bufs: List[Tensor] = []
     sparse_indices: List[int] = []
     todo, whole, whole_grads = split_flats(groups, gradients, "both")
+    for group in todo:
+        _sgd_group(live, fits, params, state, group, gradients, momentum, fused,
+                   first_indices, first_bufs, sparse_indices)
+    # Flat buffers last: every gradient is accepted by now, so their state (made flat here)
+    # never needs undoing.
     for k in range(len(whole)):
         f = whole[k]
         # All members or none have a momentum buffer once the flat state is made (else the
@@ -77,7 +83,8 @@ def sgd_gather(
         keys = ["momentum_buffer"] if momentum else torch.jit.annotate(List[str], [])
         ops = flat_operands(f, state, whole_grads[k], keys, [0.0], [False], groups.pending)
         if len(ops) == 0:
-            todo.append(f.members)
+            _sgd_group(live, fits, params, state, f.members, gradients, momentum, fused,
+                       first_indices, first_bufs, sparse_indices)
             continue
         if not momentum:
             ops.append(torch.jit.annotate(List[Tensor], []))
@@ -86,40 +93,55 @@ def sgd_gather(
         live.append(empty if first else ops)
         fits.append(False)
         fits.append(False)
-    for group in todo:
-        first = new_operands(1)
-        later = new_operands(1)
-        first_fit = False
-        later_fit = False
-        for i in group:
-            g = gradients[i]
-            if g is not None:
-                p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype:
-                    refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
-                if g.is_sparse:
-                    sparse_indices.append(i)
-                elif momentum and i in state:
-                    later[0].append(p)
-                    later[1].append(g)
-                    later[2].append(state[i]["momentum_buffer"])
-                    if fused and not later_fit:
-                        later_fit = not (p.is_contiguous() and g.is_contiguous())
-                else:
-                    first[0].append(p)
-                    first[1].append(g)
-                    if momentum:
-                        buf = torch.empty_like(p)
-                        first_indices.append(i)
-                        first_bufs.append(buf)
-                        first[2].append(buf)
-                    if fused and not first_fit:
-                        first_fit = not (p.is_contiguous() and g.is_contiguous())
-        live.append(first)
-        live.append(later)
-        fits.append(first_fit)
-        fits.append(later_fit)
     return fits, first_indices, first_bufs, sparse_indices
+
+
+def _sgd_group(
+    live: List[List[List[Tensor]]],
+    fits: List[bool],
+    params: List[Tensor],
+    state: Dict[int, Dict[str, Tensor]],
+    group: List[int],
+    gradients: List[Optional[Tensor]],
+    momentum: bool,
+    fused: bool,
+    first_indices: List[int],
+    first_bufs: List[Tensor],
+    sparse_indices: List[int],
+) -> None:
+    """``sgd_gather``'s per-parameter pass over one index group: its pair of operand sets."""
+    first = new_operands(1)
+    later = new_operands(1)
+    first_fit = False
+    later_fit = False
+    for i in group:
+        g = gradients[i]
+        if g is not None:
+            p = params[i]
+            if not g.is_same_size(p) or g.dtype != p.dtype:
+                refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
+            if g.is_sparse:
+                sparse_indices.append(i)
+            elif momentum and i in state:
+                later[0].append(p)
+                later[1].append(g)
+                later[2].append(state[i]["momentum_buffer"])
+                if fused and not later_fit:
+                    later_fit = not (p.is_contiguous() and g.is_contiguous())
+            else:
+                first[0].append(p)
+                first[1].append(g)
+                if momentum:
+                    buf = torch.empty_like(p)
+                    first_indices.append(i)
+                    first_bufs.append(buf)
+                    first[2].append(buf)
+                if fused and not first_fit:
+                    first_fit = not (p.is_contiguous() and g.is_contiguous())
+    live.append(first)
+    live.append(later)
+    fits.append(first_fit)
+    fits.append(later_fit)
 
 
 def sgd_update(
@@ -183,14 +205,21 @@ def sgd_sparse_update(
         grad = grad.add(param, alpha=weight_decay)
     if momentum != 0.0:
         if buf is not None:
-            buf.mul_(momentum).add_(grad, alpha=1.0 - dampening)
+            buf.mul_(momentum)
+            if grad.is_sparse and not buf.is_sparse:
+                add_sparse_(buf, grad, 1.0 - dampening)
+            else:
+                buf.add_(grad, alpha=1.0 - dampening)
         else:
             buf = torch.clone(grad).detach()
         if nesterov:
             grad = grad.add(buf, alpha=momentum)
         else:
             grad = buf
-    param.add_(grad, alpha=-lr)
+    if grad.is_sparse:
+        add_sparse_(param, grad, -lr)
+    else:
+        param.add_(grad, alpha=-lr)
     return buf
 
 

@@ -26,7 +26,7 @@ from functional._common import (
     unknown_hyperparameter,
 )
 from functional._flat import layout
-from functional._kernels import check_spec_state, gather, no_operands, release
+from functional._kernels import add_sparse_, check_spec_state, gather, no_operands, release
 
 
 def sparse_adam_update(
@@ -57,17 +57,17 @@ def sparse_adam_update(
     # m += (1 - b1) (g - m) and v += (1 - b2) (g^2 - v), on the gradient's entries only.
     old_exp_avg = exp_avg.sparse_mask(grad)._values()
     exp_avg_change = values.sub(old_exp_avg).mul_(1.0 - beta1)
-    exp_avg.add_(torch.sparse_coo_tensor(indices, exp_avg_change, size))
+    add_sparse_(exp_avg, torch.sparse_coo_tensor(indices, exp_avg_change, size))
     old_exp_avg_sq = exp_avg_sq.sparse_mask(grad)._values()
     exp_avg_sq_change = values.pow(2).sub_(old_exp_avg_sq).mul_(1.0 - beta2)
-    exp_avg_sq.add_(torch.sparse_coo_tensor(indices, exp_avg_sq_change, size))
+    add_sparse_(exp_avg_sq, torch.sparse_coo_tensor(indices, exp_avg_sq_change, size))
     numer = exp_avg_change.add_(old_exp_avg)
     denom = exp_avg_sq_change.add_(old_exp_avg_sq).sqrt_().add_(eps)
     step = float(step_t.item())
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2 = 1.0 - beta2 ** step
     step_size = lr * math.sqrt(bias_correction2) / bias_correction1
-    param.add_(torch.sparse_coo_tensor(indices, numer.div_(denom) * (-step_size), size))
+    add_sparse_(param, torch.sparse_coo_tensor(indices, numer.div_(denom) * (-step_size), size))
 
 
 class FunctionalSparseAdam:

@@ -8,7 +8,9 @@ import torch
 from functional import (
     FLAT_CLASSES,
     FunctionalAdafactor,
+    FunctionalAdagrad,
     FunctionalAdam,
+    FunctionalSGD,
     FunctionalSparseAdam,
     flatten_parameters,
     load_torch_state_dict,
@@ -281,3 +283,53 @@ def test_flatten_parameters_refuses_what_it_cannot_do():
         flatten_parameters(FunctionalAdam(params), autograd_gradients=1)
     with pytest.raises(ValueError, match="Invalid max_numel: -1"):
         flatten_parameters(FunctionalAdam(params), max_numel=-1)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "cls,torch_cls,kwargs",
+    [(FunctionalSGD, torch.optim.SGD, {"lr": 0.5}),
+     (FunctionalSGD, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
+     (FunctionalAdagrad, torch.optim.Adagrad, {"lr": 0.5})],
+    ids=["SGD", "SGD-momentum", "Adagrad"],
+)
+def test_sparse_gradients_on_flat_members(cls, torch_cls, kwargs, compiled: bool):
+    """A member stepped alone with a sparse gradient: torch's sparse add into a view that
+    does not start its storage writes at the storage's start (and past its end); ours must
+    land on the member, as torch.optim's on a parameter of its own. Dense steps (flat) before
+    and after."""
+    mine = [torch.zeros(4), torch.zeros(4), torch.zeros(100)]
+    ref = [p.clone().requires_grad_() for p in mine]
+    opt = flatten_parameters(cls(mine, **kwargs))
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch_cls(ref, **kwargs)
+    sparse = torch.arange(100.0).to_sparse()
+    dense = [torch.ones(4), torch.ones(4), torch.ones(100)]
+    for grads in (dense, [None, None, sparse], [None, sparse.to_dense()[:4].to_sparse(), sparse],
+                  dense):
+        opt.step([None if g is None else g.clone() for g in grads])
+        _torch_step(ref_opt, ref, [None if g is None else g.clone() for g in grads])
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a, r.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_refused_first_step_makes_no_flat_state(compiled: bool):
+    """SGD with momentum: a bad gradient for a parameter that is not flattened refuses the
+    step before the flat members' momentum buffers exist."""
+    mine = [torch.zeros(3), torch.zeros(4), torch.zeros(50)]
+    ref = [p.clone().requires_grad_() for p in mine]
+    opt = flatten_parameters(FunctionalSGD(mine, lr=0.1, momentum=0.9, dampening=0.5), max_numel=40)
+    if compiled:
+        opt = script_optimizer(opt)
+    with pytest.raises(Exception, match=r"Invalid gradients\[2\]: shape"):
+        opt.step([torch.ones(3), torch.ones(4), torch.ones(7)])
+    assert (opt.get_state() if compiled else opt.state) == {}
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, dampening=0.5)
+    for _ in range(2):
+        grads = [torch.ones(3), torch.ones(4), torch.ones(50)]
+        opt.step([g.clone() for g in grads])
+        _torch_step(ref_opt, ref, [g.clone() for g in grads])
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a, r.detach(), rtol=RTOL, atol=ATOL)
