@@ -25,6 +25,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return "dtype " + str(dtype)
 
 
+def layout_name(layout: int) -> str:
+    """``str(layout)`` that also works in TorchScript, where a layout is a bare integer
+    (hence the annotation; eager code passes a ``torch.layout``)."""
+    known = [
+        torch.strided, torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+        torch.sparse_bsc, torch._mkldnn,
+    ]
+    names = ["strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn"]
+    for k in range(len(known)):
+        if layout == known[k]:
+            return "torch." + names[k]
+    return str(layout)
+
+
 def index_of(params: List[Tensor], param: Tensor) -> int:
     """Position of ``param`` (by identity) in ``params``."""
     for i in range(len(params)):

@@ -37,7 +37,11 @@ class FlatBuffer(object):
         offsets: where each member starts in ``param``.
         param: the 1-D buffer.
         grad: the flat gradient buffer (same size), filled at each flat step.
+        grad_row: ``grad`` as one row (``_chunk_cat``'s output shape).
         grad_views: ``grad``'s views shaped as the members.
+        fill: how a flat step fills ``grad`` from the members' gradients: 0, one ``cat``
+            (every member 1-D); 1, one ``_chunk_cat`` (none 0-dim); 2, ``_foreach_copy_``
+            into ``grad_views``.
         keys: the state keys ``state`` holds flat buffers for.
         state: state key -> flat buffer (1-D; a scalar key holds one element per member).
         check_gradients: check each gradient's shape and dtype before a flat step (off
@@ -59,10 +63,17 @@ class FlatBuffer(object):
         self.offsets = offsets
         self.param = param
         self.grad = torch.zeros_like(param)
+        self.grad_row = self.grad.view(1, -1)
         self.grad_views = [
             self.grad[offsets[k]:offsets[k] + views[k].numel()].view_as(views[k])
             for k in range(len(views))
         ]
+        self.fill = 0
+        for v in views:
+            if v.dim() == 0:
+                self.fill = 2
+            elif v.dim() > 1 and self.fill == 0:
+                self.fill = 1
         self.keys: List[str] = []
         self.state: Dict[str, Tensor] = {}
         self.seen: Dict[int, Dict[str, Tensor]] = {}
@@ -142,7 +153,7 @@ def flat_gradients(f: FlatBuffer, gradients: List[Optional[Tensor]], kinds: str)
             f.valid = False
             return grads[:0]
         if (
-            g.is_sparse
+            g.layout != torch.strided
             or not p.is_set_to(v)
             or full and (g.dtype != v.dtype or not g.is_same_size(v))
         ):
@@ -171,7 +182,15 @@ def flat_operands(
     if not (f.valid and state is f.seen and f.keys == keys):
         if not flat_state(f, state, keys, fills, scalars):
             return torch.jit.annotate(List[List[Tensor]], [])
-    torch._foreach_copy_(f.grad_views, grads)
+    # The members lie back to back in buffer order, so one concatenation fills f.grad: cat
+    # (about 0.16 us a gradient on CPU) where every member is 1-D, else _chunk_cat, which
+    # flattens each (0.36 us) but takes no 0-dim one; _foreach_copy_ costs 0.45 us.
+    if f.fill == 0:
+        torch.cat(grads, out=f.grad)
+    elif f.fill == 1:
+        torch._chunk_cat(grads, 0, 1, out=f.grad_row)
+    else:
+        torch._foreach_copy_(f.grad_views, grads)
     ops = [[f.param], [f.grad]]
     for k in range(len(keys)):
         buf = f.state[keys[k]]

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from functional._common import checked_state, dtype_name, meta_params
+from functional._common import checked_state, dtype_name, layout_name, meta_params
 from functional._flat import Groups, flat_operands, split_flats, spread
 
 def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[bool]) -> Dict[str, Tensor]:
@@ -159,6 +159,8 @@ def _gather_groups(
     k3 = keys[3] if n > 3 else ""
     sparse_only = kinds == "sparse"
     sparse_too = kinds == "both"
+    # One layout compare per gradient also refuses sparse compressed and mkldnn gradients.
+    want = torch.sparse_coo if sparse_only else torch.strided
     for group in todo:
         ops = new_operands(n)
         # The lists as locals: each ops[k] in the loop would be an interpreter instruction
@@ -173,7 +175,7 @@ def _gather_groups(
             g = gradients[i]
             if g is not None:
                 p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype or g.is_sparse != sparse_only:
+                if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != want:
                     if sparse_too and g.is_sparse and g.is_same_size(p) and g.dtype == p.dtype:
                         _gather_one(sparse_ops, p, g, state, i, keys, fills, scalars, created)
                         continue
@@ -234,6 +236,11 @@ def refuse(
     ``i`` deserves: its shape, its dtype, or else ``RuntimeError(refusal)`` for its kind."""
     for j in created:
         del state[j]
+    if g.layout != torch.strided and g.layout != torch.sparse_coo:
+        raise ValueError(
+            f"Invalid gradients[{i}]: layout {layout_name(g.layout)} (expected torch.strided, "
+            f"or torch.sparse_coo where the class takes sparse gradients)"
+        )
     if g.shape != p.shape:
         raise ValueError(
             f"Invalid gradients[{i}]: shape {g.shape} (expected {p.shape}, "

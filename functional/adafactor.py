@@ -82,7 +82,7 @@ def adafactor_gather(
             g = gradients[i]
             if g is not None:
                 p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype or g.is_sparse or p.is_complex():
+                if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != torch.strided or p.is_complex():
                     if p.is_complex():
                         for j in created:
                             del state[j]

@@ -49,6 +49,8 @@ def sgd_gather(
     gradients: List[Optional[Tensor]],
     momentum: bool,
     fused: bool,
+    weight_decay: float,
+    nesterov: bool,
 ) -> Tuple[List[bool], List[int], List[Tensor], List[int]]:
     """SGD's one pass (``_kernels.gather``'s, split by momentum history): per group, the
     operand set ``[params, grads, bufs]`` of first momentum steps (new buffers laid out as
@@ -72,7 +74,7 @@ def sgd_gather(
     todo, whole, whole_grads = split_flats(groups, gradients, "both")
     for group in todo:
         _sgd_group(live, fits, params, state, group, gradients, momentum, fused,
-                   first_indices, first_bufs, sparse_indices)
+                   weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
     # Flat buffers last: every gradient is accepted by now, so their state (made flat here)
     # never needs undoing.
     for k in range(len(whole)):
@@ -84,7 +86,7 @@ def sgd_gather(
         ops = flat_operands(f, state, whole_grads[k], keys, [0.0], [False], groups.pending)
         if len(ops) == 0:
             _sgd_group(live, fits, params, state, f.members, gradients, momentum, fused,
-                       first_indices, first_bufs, sparse_indices)
+                       weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
             continue
         if not momentum:
             ops.append(torch.jit.annotate(List[Tensor], []))
@@ -105,11 +107,18 @@ def _sgd_group(
     gradients: List[Optional[Tensor]],
     momentum: bool,
     fused: bool,
+    weight_decay: float,
+    nesterov: bool,
     first_indices: List[int],
     first_bufs: List[Tensor],
     sparse_indices: List[int],
 ) -> None:
-    """``sgd_gather``'s per-parameter pass over one index group: its pair of operand sets."""
+    """``sgd_gather``'s per-parameter pass over one index group: its pair of operand sets.
+
+    Also refuses, before anything changes, the three mixes that torch.optim.SGD fails on
+    part-way through its update: a sparse gradient with weight decay, a sparse gradient with
+    Nesterov momentum on a dense buffer, a dense gradient on a sparse buffer (one that a
+    sparse first step made)."""
     first = new_operands(1)
     later = new_operands(1)
     first_fit = False
@@ -120,12 +129,23 @@ def _sgd_group(
             p = params[i]
             if not g.is_same_size(p) or g.dtype != p.dtype:
                 refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
-            if g.is_sparse:
+            if g.layout != torch.strided:
+                if not g.is_sparse:
+                    refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
+                if weight_decay != 0.0:
+                    sparse_mix(i, f"a sparse gradient with weight_decay={weight_decay}")
+                if nesterov and i in state and not state[i]["momentum_buffer"].is_sparse:
+                    sparse_mix(i, f"a sparse gradient with nesterov=True, and a dense "
+                               f"momentum buffer in state[{i}]")
                 sparse_indices.append(i)
             elif momentum and i in state:
+                buf = state[i]["momentum_buffer"]
+                if buf.is_sparse:
+                    sparse_mix(i, f"a dense gradient, and a sparse momentum buffer in "
+                               f"state[{i}] (from a sparse first step)")
                 later[0].append(p)
                 later[1].append(g)
-                later[2].append(state[i]["momentum_buffer"])
+                later[2].append(buf)
                 if fused and not later_fit:
                     later_fit = not (p.is_contiguous() and g.is_contiguous())
             else:
@@ -157,11 +177,17 @@ def sgd_update(
     fused: bool,
 ) -> None:
     """One SGD step over ``[params, grads, momentum_buffers]`` (no buffers without momentum),
-    on the fused kernel or on foreach ops; ``first``: the buffers are new (``b_1 = g``)."""
+    on the fused kernel or on foreach ops; ``first``: the buffers are new (``b_1 = g``).
+
+    float16 and bfloat16 groups take the foreach ops even when ``fused``: torch 2.13's fused
+    CPU SGD kernel leaves such parameters of 16 or more elements unchanged (and, with
+    momentum, writes wrong buffers), measured against torch.optim's for-loop and float64.
+    """
     params, grads, bufs = ops[0], ops[1], ops[2]
     if len(params) == 0:
         return
-    if fused:
+    low = params[0].dtype == torch.float16 or params[0].dtype == torch.bfloat16
+    if fused and not low:
         staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
         torch._fused_sgd_(
             params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
@@ -183,6 +209,15 @@ def sgd_update(
         else:
             grads = bufs
     torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def sparse_mix(i: int, what: str) -> None:
+    """Raise torch.optim.SGD's error for a sparse/dense mix it cannot add, naming the
+    gradient (the wording is torch's, so that code matching it keeps working)."""
+    raise RuntimeError(
+        f"add(sparse, dense) is not supported. Use add(dense, sparse) instead. "
+        f"(Invalid gradients[{i}]: {what}; torch.optim.SGD fails the same way.)"
+    )
 
 
 def sgd_sparse_update(
@@ -237,7 +272,9 @@ class FunctionalSGD:
         \theta_t &= \theta_{t-1} - \gamma g_t
 
     Dense gradients run on ``torch._fused_sgd_`` (``fused=False`` selects the foreach
-    kernels); sparse gradients take the per-tensor path, as torch.optim does.
+    kernels), except float16/bfloat16 parameters, which always take the foreach kernels:
+    torch 2.13's fused CPU kernel does not update them (see ``sgd_update``). Sparse gradients
+    take the per-tensor path, as torch.optim does.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -339,7 +376,7 @@ class FunctionalSGD:
         with torch.no_grad():
             fits, first_indices, first_bufs, sparse_indices = sgd_gather(
                 self.live, self.params, self.state, self.groups, gradients,
-                self.momentum != 0.0, self.use_fused,
+                self.momentum != 0.0, self.use_fused, self.weight_decay, self.nesterov,
             )
             for s in range(len(fits)):
                 sgd_update(

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from functional import functional_optim_map, script_optimizer
+from functional import FLAT_CLASSES, flatten_parameters, functional_optim_map, script_optimizer
 
 O = torch.optim
 # (torch.optim class, arguments torch.optim rejects with ValueError, the name ours must give)
@@ -259,6 +259,98 @@ def test_gradient_list_must_match_parameters(torch_cls: type, compiled: bool) ->
         optim.step([g.double(), None])
     for p, b in zip(params, before):
         assert torch.equal(p, b), "a rejected step changed a parameter"
+
+
+def _snapshot(optim, compiled: bool):
+    state = optim.get_state() if compiled else optim.state
+    return {i: {k: v.clone() for k, v in entry.items()} for i, entry in state.items()}
+
+
+def _same_state(a, b) -> bool:
+    return sorted(a) == sorted(b) and all(
+        sorted(a[i]) == sorted(b[i])
+        and all(a[i][k].layout == b[i][k].layout and torch.equal(a[i][k].to_dense(), b[i][k].to_dense())
+                for k in a[i])
+        for i in a
+    )
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["per-parameter", "flat"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
+def test_a_sparse_compressed_gradient_is_refused_by_its_layout(torch_cls, compiled, flat) -> None:
+    """torch.optim cannot even take a CSR ``.grad`` for a dense parameter; ours names the
+    gradient and its layout, and nothing changes (no new state either)."""
+    params = [torch.randn(3, 3), torch.randn(2, 2)]
+    before = [p.clone() for p in params]
+    optim = functional_optim_map[torch_cls](params)
+    if flat and type(optim).__name__ in FLAT_CLASSES:
+        flatten_parameters(optim)
+    if compiled:
+        optim = script_optimizer(optim)
+    state = _snapshot(optim, compiled)
+    error = torch.jit.Error if compiled else ValueError
+    other = _grad_like(torch_cls, params[1])
+    with pytest.raises(error, match=r"gradients\[0\]: layout torch.sparse_csr \(expected torch.strided"):
+        optim.step([torch.randn(3, 3).to_sparse_csr(), other])
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert _same_state(_snapshot(optim, compiled), state)
+
+
+def _sgd_mix(kwargs, first_sparse: bool):
+    """Gradients for two SGD steps on params [4], [3], [5]: the second gives parameter 1 a
+    sparse gradient (or, after a sparse first step, a dense one)."""
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, generator=gen) for n in (4, 3, 5)]
+    first = list(dense)
+    if first_sparse:
+        first[1] = first[1].to_sparse()
+    second = [g * 0.5 for g in dense]
+    if not first_sparse:
+        second[1] = second[1].to_sparse()
+    return first, second
+
+
+SPARSE_MIXES = [
+    ({"lr": 0.1, "weight_decay": 0.1}, False, r"a sparse gradient with weight_decay=0.1"),
+    ({"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, False, r"a sparse gradient with weight_decay"),
+    ({"lr": 0.1, "momentum": 0.9, "nesterov": True}, False, r"a sparse gradient with nesterov=True, and a dense momentum"),
+    ({"lr": 0.1, "momentum": 0.9}, True, r"a dense gradient, and a sparse momentum buffer in state\[1\]"),
+]
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["per-parameter", "flat"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("row", SPARSE_MIXES, ids=["wd", "wd-momentum", "nesterov", "sparse-buffer"])
+def test_sgd_sparse_mixes_torch_fails_on_change_nothing(row, compiled: bool, flat: bool) -> None:
+    """torch.optim.SGD fails on these part-way through its update (earlier parameters already
+    stepped); ours refuses before anything changes, with torch's words and the gradient."""
+    kwargs, first_sparse, what = row
+    first, second = _sgd_mix(kwargs, first_sparse)
+    ref = [torch.zeros(n, requires_grad=True) for n in (4, 3, 5)]
+    ref_opt = O.SGD(ref, **kwargs)
+    for grads in (first, second):
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        if grads is first:
+            ref_opt.step()
+    with pytest.raises(RuntimeError, match=r"add\(sparse, dense\) is not supported"):
+        ref_opt.step()
+
+    params = [torch.zeros(n) for n in (4, 3, 5)]
+    optim = functional_optim_map[O.SGD](params, **kwargs)
+    if flat:
+        flatten_parameters(optim)
+    if compiled:
+        optim = script_optimizer(optim)
+    optim.step([g.clone() for g in first])
+    before = [p.clone() for p in params]
+    state = _snapshot(optim, compiled)
+    error = torch.jit.Error if compiled else RuntimeError
+    with pytest.raises(error, match=r"add\(sparse, dense\) is not supported.*gradients\[1\]: " + what):
+        optim.step([g.clone() for g in second])
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "a refused step changed a parameter"
+    assert _same_state(_snapshot(optim, compiled), state), "a refused step changed the state"
 
 
 @pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)

@@ -333,3 +333,43 @@ def test_a_refused_first_step_makes_no_flat_state(compiled: bool):
         _torch_step(ref_opt, ref, [g.clone() for g in grads])
     for a, r in zip(mine, ref):
         torch.testing.assert_close(a, r.detach(), rtol=RTOL, atol=ATOL)
+
+
+FILLS = [
+    ("1-D members: one cat", [(32,), (5,), (7,)], 0),
+    ("any shapes: one _chunk_cat", [(5, 3), (4,), (2, 3, 2)], 1),
+    ("a 0-dim member: foreach copy", [(5, 3), (), (4,)], 2),
+]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "cls,torch_cls,kwargs",
+    [(FunctionalAdam, torch.optim.Adam, {"lr": 0.1}),
+     (FunctionalSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+     (FunctionalAdagrad, torch.optim.Adagrad, {"lr": 0.1})],
+    ids=["Adam", "SGD-momentum", "Adagrad"],
+)
+@pytest.mark.parametrize("fill", FILLS, ids=[f[0] for f in FILLS])
+def test_each_way_of_filling_the_flat_gradient(fill, cls, torch_cls, kwargs, compiled: bool):
+    """The flat gradient buffer is filled by one cat, one _chunk_cat or a foreach copy,
+    by the members' shapes; each gives torch.optim's numbers, also with strided gradients."""
+    _, shapes, expected = fill
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    params = [p.clone() for p in init]
+    ref = [p.clone().requires_grad_() for p in init]
+    opt = flatten_parameters(cls(params, **kwargs))
+    assert opt.groups.flats[0].fill == expected
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch_cls(ref, **kwargs)
+    for step in range(4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        if step == 2:  # a transposed (non-contiguous) gradient for the first member
+            grads[0] = grads[0].t().contiguous().t() if grads[0].dim() == 2 else grads[0]
+        _torch_step(ref_opt, ref, _clone(grads))
+        opt.step(_clone(grads))
+        assert _stepped_flat(opt, grads)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r.detach(), rtol=RTOL, atol=ATOL)
