@@ -18,12 +18,16 @@ flat (a loaded state_dict, a parameter stepped alone) is copied back into flat b
 its members agree again.
 
 All of this is TorchScript-compilable except ``flatten_parameters``, which runs in Python
-before compiling.
+before compiling. The per-member work of a flat step (check each gradient and member, copy
+the gradients into the flat gradient buffer) runs in one native op where ``functional._native``
+built it, else in the interpreter (``fill_flat_gradients``).
 """
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from functional import _native
 
 
 @torch.jit.script
@@ -111,34 +115,40 @@ def layout(params: List[Tensor]) -> Groups:
 
 def split_flats(
     groups: Groups, gradients: List[Optional[Tensor]], kinds: str
-) -> Tuple[List[List[int]], List[FlatBuffer], List[List[Tensor]]]:
+) -> Tuple[List[List[int]], List[FlatBuffer]]:
     """The start of a gathering pass: the index groups to gather per parameter (the members
-    of each flat buffer that cannot step whole this time, then ``groups.dense``), the
-    buffers that can (as far as ``flat_gradients`` says), and their gradients."""
+    of each flat buffer that cannot step whole this time, then ``groups.dense``), and the
+    buffers that can as far as their gradients say, their ``grad`` filled
+    (``flat_gradients``)."""
     todo: List[List[int]] = []
     whole: List[FlatBuffer] = []
-    whole_grads: List[List[Tensor]] = []
     for f in groups.flats:
-        grads = flat_gradients(f, gradients, kinds)
-        if len(grads) == 0:
-            todo.append(f.members)
-        else:
+        if flat_gradients(f, gradients, kinds):
             whole.append(f)
-            whole_grads.append(grads)
+        else:
+            todo.append(f.members)
     for group in groups.dense:
         todo.append(group)
-    return todo, whole, whole_grads
+    return todo, whole
 
 
-def flat_gradients(f: FlatBuffer, gradients: List[Optional[Tensor]], kinds: str) -> List[Tensor]:
-    """The members' gradients, if buffer ``f`` can step whole this time as far as they and
-    the members' storage say: each dense, of its member's shape and dtype (not checked when
-    ``f.check_gradients`` is off: autograd's gradients have them), and each member still set
-    to its view. Else an empty list (the members then step one by one, where a bad gradient
-    gets its error)."""
-    grads: List[Tensor] = []
+def flat_gradients(f: FlatBuffer, gradients: List[Optional[Tensor]], kinds: str) -> bool:
+    """Whether buffer ``f`` can step whole this time as far as its members' gradients and
+    storage say, and if so ``f.grad`` filled with the gradients: each present, dense, of its
+    member's shape and dtype, and each member still set to its view. Else False, nothing
+    written (the members then step one by one, where a bad gradient gets its error)."""
     if kinds == "sparse":
-        return grads
+        return False
+    if fill_flat_gradients(f, gradients):
+        return True
+    f.valid = False
+    return False
+
+
+def _fill_script(f: FlatBuffer, gradients: List[Optional[Tensor]]) -> bool:
+    """``flat_gradients``'s work in TorchScript (without the native ops): about a
+    microsecond a member in the interpreter. Shapes and dtypes are not checked when
+    ``f.check_gradients`` is off (autograd's gradients have them)."""
     m = len(f.members)
     mine: List[Optional[Tensor]] = []
     if f.start >= 0:
@@ -147,41 +157,18 @@ def flat_gradients(f: FlatBuffer, gradients: List[Optional[Tensor]], kinds: str)
         for i in f.members:
             mine.append(gradients[i])
     full = f.check_gradients
+    grads: List[Tensor] = []
     # zip, not indexing: each index is one more interpreter instruction per member.
     for g, p, v in zip(mine, f.params, f.views):
         if g is None:
-            f.valid = False
-            return grads[:0]
+            return False
         if (
             g.layout != torch.strided
             or not p.is_set_to(v)
             or full and (g.dtype != v.dtype or not g.is_same_size(v))
         ):
-            f.valid = False
-            return grads[:0]
+            return False
         grads.append(g)
-    return grads
-
-
-def flat_operands(
-    f: FlatBuffer,
-    state: Dict[int, Dict[str, Tensor]],
-    grads: List[Tensor],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[bool],
-    pending: List[Tensor],
-) -> List[List[Tensor]]:
-    """The operand set ``[[param], [grad], [state[key]]...]`` that steps buffer ``f`` whole,
-    with ``grads`` (``flat_gradients``) copied into ``f.grad``; an empty list when the
-    members' state does not allow it (``flat_state``).
-
-    A scalar key's operand is the first member's element; its buffer goes to ``pending``,
-    for ``spread`` to copy that element to the others after the update.
-    """
-    if not (f.valid and state is f.seen and f.keys == keys):
-        if not flat_state(f, state, keys, fills, scalars):
-            return torch.jit.annotate(List[List[Tensor]], [])
     # The members lie back to back in buffer order, so one concatenation fills f.grad: cat
     # (about 0.16 us a gradient on CPU) where every member is 1-D, else _chunk_cat, which
     # flattens each (0.36 us) but takes no 0-dim one; _foreach_copy_ costs 0.45 us.
@@ -191,6 +178,38 @@ def flat_operands(
         torch._chunk_cat(grads, 0, 1, out=f.grad_row)
     else:
         torch._foreach_copy_(f.grad_views, grads)
+    return True
+
+
+def _fill_native(f: FlatBuffer, gradients: List[Optional[Tensor]]) -> bool:
+    """``flat_gradients``'s work in one native op (``functional/csrc/flat_ops.cpp``): the
+    same checks (shapes and dtypes always) and copy, tens of nanoseconds a member."""
+    return torch.ops.distopt_flat.fill(gradients, f.members, f.params, f.views, f.offsets, f.grad)
+
+
+#: The native op where it was built (``functional._native``), else the TorchScript loop;
+#: chosen at import, before anything is compiled (TorchScript resolves the name then).
+fill_flat_gradients = _fill_native if _native.AVAILABLE else _fill_script
+
+
+def flat_operands(
+    f: FlatBuffer,
+    state: Dict[int, Dict[str, Tensor]],
+    keys: List[str],
+    fills: List[float],
+    scalars: List[bool],
+    pending: List[Tensor],
+) -> List[List[Tensor]]:
+    """The operand set ``[[param], [grad], [state[key]]...]`` that steps buffer ``f`` whole
+    (its ``grad`` filled by ``flat_gradients``); an empty list when the members' state does
+    not allow it (``flat_state``).
+
+    A scalar key's operand is the first member's element; its buffer goes to ``pending``,
+    for ``spread`` to copy that element to the others after the update.
+    """
+    if not (f.valid and state is f.seen and f.keys == keys):
+        if not flat_state(f, state, keys, fills, scalars):
+            return torch.jit.annotate(List[List[Tensor]], [])
     ops = [[f.param], [f.grad]]
     for k in range(len(keys)):
         buf = f.state[keys[k]]
@@ -375,9 +394,11 @@ def flatten_parameters(
         max_numel: parameters with more elements are not flattened.
         autograd_gradients: the gradients will come from autograd for these parameters
             (DistributedOptimizer's owners read them from the autograd context), whose
-            engine has checked their shape and dtype: the flat step does not check them
-            again (about 0.4 µs a parameter in the TorchScript interpreter). A gradient
-            that is not dense, or a member whose storage was replaced, is still noticed.
+            engine has checked their shape and dtype: without the native ops
+            (``functional._native``) the flat step does not check them again (about 0.4 µs
+            a parameter in the TorchScript interpreter); the native op checks them always,
+            at no measurable cost. A gradient that is not dense, or a member whose storage
+            was replaced, is noticed either way.
 
     Returns:
         ``optim``.

@@ -109,7 +109,7 @@ def gather(
     groups.pending.clear()
     fits: List[bool] = []
     created: List[int] = []
-    todo, whole, whole_grads = split_flats(groups, gradients, kinds)
+    todo, whole = split_flats(groups, gradients, kinds)
     sparse_ops = new_operands(len(keys))
     _gather_groups(
         live, fits, params, state, todo, gradients, keys, fills, scalars, kinds, refusal,
@@ -119,7 +119,7 @@ def gather(
     # never needs undoing.
     for k in range(len(whole)):
         f = whole[k]
-        ops = flat_operands(f, state, whole_grads[k], keys, fills, scalars, groups.pending)
+        ops = flat_operands(f, state, keys, fills, scalars, groups.pending)
         if len(ops) == 0:
             _gather_groups(
                 live, fits, params, state, [f.members], gradients, keys, fills, scalars,

@@ -71,7 +71,7 @@ def sgd_gather(
     first_indices: List[int] = []
     first_bufs: List[Tensor] = []
     sparse_indices: List[int] = []
-    todo, whole, whole_grads = split_flats(groups, gradients, "both")
+    todo, whole = split_flats(groups, gradients, "both")
     for group in todo:
         _sgd_group(live, fits, params, state, group, gradients, momentum, fused,
                    weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
@@ -83,7 +83,7 @@ def sgd_gather(
         # buffer steps per parameter); none: the kernel's first step fills the new one.
         first = momentum and f.members[0] not in state
         keys = ["momentum_buffer"] if momentum else torch.jit.annotate(List[str], [])
-        ops = flat_operands(f, state, whole_grads[k], keys, [0.0], [False], groups.pending)
+        ops = flat_operands(f, state, keys, [0.0], [False], groups.pending)
         if len(ops) == 0:
             _sgd_group(live, fits, params, state, f.members, gradients, momentum, fused,
                        weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
