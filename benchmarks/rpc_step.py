@@ -317,8 +317,12 @@ def run(options: argparse.Namespace) -> List[str]:
         sets = ParamSets(case, layout)
         ms = {name: try_time_steps(lib, torch.optim.Adam, sets, options.repeats)
               for name, lib in LIBRARIES.items()}
-        owner_ms = owner_side_ms(sets, options.repeats)
         sets.drop()
+        # Fresh parameters: the timed DistributedOptimizer flattened the others, and a
+        # parameter that is already a view of a buffer is not flattened again.
+        probe = ParamSets(f"{case}-probe", layout)
+        owner_ms = owner_side_ms(probe, options.repeats)
+        probe.drop()
         count, numel = max(((c, n) for _, c, n in layout), key=lambda cn: cn[0] * cn[1])
         # The floor: one local fused step over that share as one flat tensor, plus an RPC.
         floor = local_fused_adam_ms(1, count * numel, options.repeats) + echo_script

@@ -52,6 +52,7 @@ class FlatBuffer(object):
             for gradients that autograd made for these parameters, which has checked them).
         seen: the optimizer's state dict at the last flat step (a new dict from
             ``set_state`` means its entries must be checked again).
+        seen_len: how many entries ``seen`` held when the members' entries were checked.
         valid: the members' entries in ``seen`` are views of ``state`` and agree.
     """
 
@@ -81,6 +82,7 @@ class FlatBuffer(object):
         self.keys: List[str] = []
         self.state: Dict[str, Tensor] = {}
         self.seen: Dict[int, Dict[str, Tensor]] = {}
+        self.seen_len = 0
         self.valid = False
 
 
@@ -165,7 +167,7 @@ def _fill_script(f: FlatBuffer, gradients: List[Optional[Tensor]]) -> bool:
         if (
             g.layout != torch.strided
             or not p.is_set_to(v)
-            or full and (g.dtype != v.dtype or not g.is_same_size(v))
+            or full and (g.dtype != v.dtype or not g.is_same_size(v) or g.device != v.device)
         ):
             return False
         grads.append(g)
@@ -207,7 +209,13 @@ def flat_operands(
     A scalar key's operand is the first member's element; its buffer goes to ``pending``,
     for ``spread`` to copy that element to the others after the update.
     """
-    if not (f.valid and state is f.seen and f.keys == keys):
+    # Checked at every step, cheaply: the same state dict, as many entries as when the flat
+    # state was checked (state.clear() or a member's entry deleted since shows here), and
+    # each scalar state buffer agreeing (one member's step edited in place shows here).
+    if not (
+        f.valid and state is f.seen and f.keys == keys and len(state) == f.seen_len
+        and _scalars_agree(f, keys, scalars)
+    ):
         if not flat_state(f, state, keys, fills, scalars):
             return torch.jit.annotate(List[List[Tensor]], [])
     ops = [[f.param], [f.grad]]
@@ -236,6 +244,7 @@ def flat_state(
         f.valid = True
         f.keys = keys
         f.seen = state
+        f.seen_len = len(state)
         return True
     members = f.members
     n_with = 0
@@ -275,13 +284,21 @@ def flat_state(
             f.state = flat
     f.keys = keys
     f.seen = state
+    f.seen_len = len(state)
+    if not _scalars_agree(f, keys, scalars):
+        f.valid = False
+        return False
+    f.valid = True
+    return True
+
+
+def _scalars_agree(f: FlatBuffer, keys: List[str], scalars: List[bool]) -> bool:
+    """Whether every member holds the same value of each scalar key (``step``, ...)."""
     for k in range(len(keys)):
         if scalars[k]:
             buf = f.state[keys[k]]
             if not bool(torch.all(buf == buf[0])):
-                f.valid = False
                 return False
-    f.valid = True
     return True
 
 
@@ -381,8 +398,9 @@ def flatten_parameters(
     """Put ``optim``'s small parameters into flat buffers, one per (device, dtype); in place.
 
     A parameter is flattened when its storage is its own: dense, contiguous, the whole of
-    its storage, sharing it with no other parameter, of a floating dtype, with at most
-    ``max_numel`` elements. Each becomes a view of its buffer (``p.data = view``), with its
+    its storage, held by no other tensor (another parameter, a view kept somewhere, a
+    tied copy in another module, a numpy array: they would stop seeing its values), of a
+    floating dtype, with at most ``max_numel`` elements. Each becomes a view of its buffer (``p.data = view``), with its
     values; the Parameter objects, their ``requires_grad`` and their place in autograd stay
     as they were. Others keep the per-parameter path. Call it before ``script_optimizer``.
     State the optimizer already has is made flat at the next step that can use it.
@@ -456,6 +474,17 @@ def flatten_parameters(
     return optim
 
 
+def _storage_shared_elsewhere(p: Tensor) -> bool:
+    """Whether another tensor (a view, a tied copy in another module, a numpy array) holds
+    ``p``'s storage: flattening would cut it off from ``p``'s values. Counted by torch's
+    storage use count: ``p`` and the Storage object asked for it hold two references."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = p.untyped_storage()
+    return use_count(storage._cdata) > 2
+
+
 def _flattenable(params: List[Tensor], max_numel: int) -> List[int]:
     """Indices of the parameters whose storage is their own (see ``flatten_parameters``)."""
     storages: Dict[int, int] = {}
@@ -474,6 +503,7 @@ def _flattenable(params: List[Tensor], max_numel: int) -> List[int]:
             and p.untyped_storage().nbytes() == p.numel() * p.element_size()
             and storages[p.untyped_storage().data_ptr()] == 1
             and p._base is None
+            and not _storage_shared_elsewhere(p)
         ):
             out.append(i)
     return out

@@ -157,6 +157,11 @@ def _gather_groups(
     k1 = keys[1] if n > 1 else ""
     k2 = keys[2] if n > 2 else ""
     k3 = keys[3] if n > 3 else ""
+    # The first non-scalar state key: its entries carry the state's memory layout.
+    klay = ""
+    for k in range(n):
+        if not scalars[k] and klay == "":
+            klay = keys[k]
     sparse_only = kinds == "sparse"
     sparse_too = kinds == "both"
     # One layout compare per gradient also refuses sparse compressed and mkldnn gradients.
@@ -175,8 +180,8 @@ def _gather_groups(
             g = gradients[i]
             if g is not None:
                 p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != want:
-                    if sparse_too and g.is_sparse and g.is_same_size(p) and g.dtype == p.dtype:
+                if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != want or g.device != p.device:
+                    if sparse_too and g.is_sparse and g.is_same_size(p) and g.dtype == p.dtype and g.device == p.device:
                         _gather_one(sparse_ops, p, g, state, i, keys, fills, scalars, created)
                         continue
                     refuse(state, created, i, g, p, refusal)
@@ -197,7 +202,10 @@ def _gather_groups(
                             if n > 3:
                                 s3.append(entry[k3])
                 if fused and not fit:
-                    fit = not (p.is_contiguous() and g.is_contiguous())
+                    fit = not (
+                        p.is_contiguous() and g.is_contiguous()
+                        and (klay == "" or entry[klay].is_contiguous())
+                    )
         live.append(ops)
         fits.append(fit)
 
@@ -250,6 +258,11 @@ def refuse(
         raise ValueError(
             f"Invalid gradients[{i}]: dtype {dtype_name(g.dtype)} (expected "
             f"{dtype_name(p.dtype)}, the dtype of params[{i}])"
+        )
+    if g.device != p.device:
+        raise ValueError(
+            f"Invalid gradients[{i}]: device {g.device} (expected {p.device}, the device of "
+            f"params[{i}])"
         )
     # torch.optim's own wording, kept so that code matching torch's message keeps working.
     raise RuntimeError(refusal)
@@ -363,37 +376,47 @@ def dense_layout(t: Tensor) -> bool:
     return True
 
 
-def fit_fused_layouts(params: List[Tensor], grads: List[Tensor]) -> List[List[Tensor]]:
+def fit_fused_layouts(
+    params: List[Tensor], grads: List[Tensor], like: List[Tensor]
+) -> List[List[Tensor]]:
     """Make the fused kernels' operands exact for every memory layout; in place.
 
     A fused CPU kernel treats a parameter, its gradient and its state as ``numel`` elements
     from each data pointer, element k of one matching element k of the others. That holds
-    when the parameter's layout is dense and the gradient's strides equal it; state is kept
-    in ``torch.empty_like(param)``'s layout, which is the parameter's own when dense.
-    Otherwise a non-dense parameter (a slice, gaps, stride 0) is replaced in ``params`` by a
-    dense copy laid out as its state, to be copied back by ``copy_back`` after the kernel,
-    and a gradient laid out differently is replaced in ``grads`` by a copy in the
-    parameter's layout (gradients read from a dist_autograd context carry no layout promise).
-    ``gather`` says when this is needed, so contiguous operands pay nothing here.
+    when the parameter's layout is dense, its state's strides equal it and so do the
+    gradient's; state is made in ``torch.empty_like(param)``'s layout, the parameter's own
+    when dense. Otherwise the parameter (a slice with gaps, stride 0, or a dense parameter
+    whose layout changed since its state was made: ``p.data`` transposed, a module moved to
+    channels_last) is replaced in ``params`` by a copy laid out as its state (``like[k]``,
+    a non-scalar state tensor, when the class has made it), to be copied back by
+    ``copy_back`` after the kernel, and a gradient laid out differently is replaced in
+    ``grads`` by a copy in that layout (gradients read from a dist_autograd context carry
+    no layout promise). ``gather`` says when this is needed, so contiguous operands pay
+    nothing here.
 
     Returns:
         ``[originals, copies]`` of the replaced parameters, for ``copy_back``.
     """
     originals: List[Tensor] = []
     copies: List[Tensor] = []
+    has_like = len(like) == len(params)
     for k in range(len(params)):
         p = params[k]
         g = grads[k]
-        if not (p.is_contiguous() and g.is_contiguous()):
-            if not dense_layout(p):
-                work = torch.empty_like(p)
+        s = like[k] if has_like else p
+        if not (p.is_contiguous() and g.is_contiguous() and s.is_contiguous()):
+            if not dense_layout(p) or (has_like and p.stride() != s.stride()):
+                if has_like:
+                    work = torch.empty_strided(s.size(), s.stride(), dtype=p.dtype, device=p.device)
+                else:
+                    work = torch.empty_like(p)
                 work.copy_(p)
                 originals.append(p)
                 copies.append(work)
                 params[k] = work
                 p = work
             if g.stride() != p.stride():
-                fitted = torch.empty_like(p)
+                fitted = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
                 fitted.copy_(g)
                 grads[k] = fitted
     return [originals, copies]

@@ -82,7 +82,8 @@ def adafactor_gather(
             g = gradients[i]
             if g is not None:
                 p = params[i]
-                if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != torch.strided or p.is_complex():
+                if (not g.is_same_size(p) or g.dtype != p.dtype or g.layout != torch.strided
+                        or g.device != p.device or p.is_complex()):
                     if p.is_complex():
                         for j in created:
                             del state[j]

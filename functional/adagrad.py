@@ -59,7 +59,7 @@ def adagrad_update(
     if len(params) == 0:
         return
     if fused:
-        staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
+        staged = fit_fused_layouts(params, grads, sums) if fit else [params[:0], params[:0]]
         # The kernel reads the already-incremented step, as in torch.optim's fused path.
         increment_steps(steps)
         torch._fused_adagrad_(

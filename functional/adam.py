@@ -77,7 +77,7 @@ def adam_update(
     if len(params) == 0:
         return
     if fused:
-        staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
+        staged = fit_fused_layouts(params, grads, exp_avgs) if fit else [params[:0], params[:0]]
         # The fused kernels read the already incremented step, as torch.optim arranges.
         increment_steps(steps)
         if decoupled_weight_decay:

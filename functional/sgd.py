@@ -127,7 +127,7 @@ def _sgd_group(
         g = gradients[i]
         if g is not None:
             p = params[i]
-            if not g.is_same_size(p) or g.dtype != p.dtype:
+            if not g.is_same_size(p) or g.dtype != p.dtype or g.device != p.device:
                 refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
             if g.layout != torch.strided:
                 if not g.is_sparse:
@@ -147,7 +147,7 @@ def _sgd_group(
                 later[1].append(g)
                 later[2].append(buf)
                 if fused and not later_fit:
-                    later_fit = not (p.is_contiguous() and g.is_contiguous())
+                    later_fit = not (p.is_contiguous() and g.is_contiguous() and buf.is_contiguous())
             else:
                 first[0].append(p)
                 first[1].append(g)
@@ -188,7 +188,7 @@ def sgd_update(
         return
     low = params[0].dtype == torch.float16 or params[0].dtype == torch.bfloat16
     if fused and not low:
-        staged = fit_fused_layouts(params, grads) if fit else [params[:0], params[:0]]
+        staged = fit_fused_layouts(params, grads, bufs) if fit else [params[:0], params[:0]]
         torch._fused_sgd_(
             params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
             dampening=dampening, nesterov=nesterov, maximize=maximize, is_first_step=first,

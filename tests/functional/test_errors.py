@@ -297,6 +297,32 @@ def test_a_sparse_compressed_gradient_is_refused_by_its_layout(torch_cls, compil
     assert _same_state(_snapshot(optim, compiled), state)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["per-parameter", "flat"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
+def test_a_gradient_on_another_device_is_refused(torch_cls, compiled, flat) -> None:
+    """torch.optim refuses it when the gradient is assigned; ours names the gradient and its
+    device, before anything changes (a gradient on the meta device stands in for a CPU
+    gradient of a CUDA parameter on a machine without one)."""
+    params = [torch.randn(3, 2), torch.randn(4, 2), torch.randn(2, 2)]
+    before = [p.clone() for p in params]
+    optim = functional_optim_map[torch_cls](params)
+    if flat and type(optim).__name__ in FLAT_CLASSES:
+        flatten_parameters(optim)
+    if compiled:
+        optim = script_optimizer(optim)
+    optim.step([_grad_like(torch_cls, p) for p in params])
+    before = [p.clone() for p in params]
+    state = _snapshot(optim, compiled)
+    grads = [_grad_like(torch_cls, p) for p in params]
+    grads[1] = grads[1].to("meta")
+    error = torch.jit.Error if compiled else ValueError
+    with pytest.raises(error, match=r"gradients\[1\]: device meta \(expected cpu"):
+        optim.step(grads)
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "a refused step changed a parameter"
+    assert _same_state(_snapshot(optim, compiled), state), "a refused step changed the state"
+
+
 def _sgd_mix(kwargs, first_sparse: bool):
     """Gradients for two SGD steps on params [4], [3], [5]: the second gives parameter 1 a
     sparse gradient (or, after a sparse first step, a dense one)."""

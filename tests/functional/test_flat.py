@@ -373,3 +373,67 @@ def test_each_way_of_filling_the_flat_gradient(fill, cls, torch_cls, kwargs, com
         assert _stepped_flat(opt, grads)
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r.detach(), rtol=RTOL, atol=ATOL)
+
+
+EDITS = ["state.clear()", "del state[1]", "step of params[1] set in place", "step of params[0] set in place"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("edit", EDITS)
+def test_state_edited_between_steps_is_noticed(edit: str, compiled: bool):
+    """Changes to ``state`` between steps take effect as on torch.optim's state: a cleared
+    or deleted entry starts fresh, a step count set in place is the one stepped with."""
+    if compiled and edit.startswith(("state.clear", "del")):
+        pytest.skip("a compiled optimizer's get_state() is a copy of the dict: no entry to delete")
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in [(3,), (2, 2), (5,)]]
+    params = [p.clone() for p in init]
+    ref = [p.clone().requires_grad_() for p in init]
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch.optim.Adam(ref, lr=0.1)
+    for step in range(5):
+        if step == 2:
+            state = opt.get_state() if compiled else opt.state
+            ref_state = ref_opt.state
+            if edit == "state.clear()":
+                state.clear()
+                ref_state.clear()
+            elif edit == "del state[1]":
+                del state[1]
+                del ref_state[ref[1]]
+            else:
+                i = int(edit.split("[")[1][0])
+                state[i]["step"].fill_(7.0)
+                ref_state[ref[i]]["step"].fill_(7.0)
+        grads = [torch.randn(p.shape, generator=gen) for p in init]
+        _torch_step(ref_opt, ref, _clone(grads))
+        opt.step(_clone(grads))
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r.detach(), rtol=RTOL, atol=ATOL)
+    ours = to_torch_state_dict(opt, torch.optim.Adam)["state"]
+    theirs = ref_opt.state_dict()["state"]
+    assert sorted(ours) == sorted(theirs)
+    for i in theirs:
+        for key, value in theirs[i].items():
+            torch.testing.assert_close(ours[i][key], value, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("holder", ["view", "numpy", "tied parameter of another module"])
+def test_a_storage_held_elsewhere_is_not_flattened(holder: str):
+    """Flattening would cut such a holder off from the parameter's values: the parameter
+    keeps its storage and steps per parameter, and the holder keeps seeing it."""
+    enc = torch.nn.Linear(4, 4)
+    params = [enc.weight, enc.bias, torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(5))]
+    if holder == "view":
+        other = enc.weight[0]
+    elif holder == "numpy":
+        other = enc.weight.detach().numpy()
+    else:
+        other = torch.nn.Parameter(enc.weight.data)  # e.g. a decoder tied by data, frozen
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    assert [f.members for f in opt.groups.flats] == [[1, 2, 3]]
+    opt.step([torch.ones_like(p) for p in params])
+    seen = torch.as_tensor(other)
+    assert torch.equal(seen, enc.weight.detach()[0] if holder == "view" else enc.weight.detach())

@@ -153,3 +153,51 @@ def test_loaded_state_takes_the_parameters_layout(case: Case) -> None:
         torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=ATOL,
                                    msg=f"params[{i}]")
     assert all(outside_intact(p) for p in mine)
+
+
+RELAYOUTS = {
+    "contiguous to transposed": (lambda t: t, lambda t: t.t().contiguous().t()),
+    "transposed to contiguous": (lambda t: t.t().contiguous().t(), lambda t: t.contiguous()),
+    "contiguous to channels_last": (lambda t: t, lambda t: t.contiguous(memory_format=torch.channels_last)),
+}
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["per-parameter", "flat"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "torch_cls,kwargs",
+    [(torch.optim.Adam, {"lr": 0.1}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+     (torch.optim.Adagrad, {"lr": 0.1})],
+    ids=["Adam", "SGD-momentum", "Adagrad"],
+)
+@pytest.mark.parametrize("change", list(RELAYOUTS))
+def test_a_parameter_relaid_after_its_state_was_made(change, torch_cls, kwargs, compiled, flat):
+    """``p.data`` given the same values in another dense layout after the state exists (a
+    module moved to channels_last mid-run): the fused kernels still step it as torch.optim's
+    for-loop does (torch's own fused kernel does not)."""
+    from functional import flatten_parameters, functional_optim_map
+
+    before, after = RELAYOUTS[change]
+    shape = (2, 3, 2, 2) if "channels_last" in change else (3, 4)
+    gen = torch.Generator().manual_seed(0)
+    init = [before(torch.randn(shape, generator=gen)), torch.randn(5, generator=gen)]
+    params = [p.clone(memory_format=torch.preserve_format) for p in init]
+    ref = [p.clone(memory_format=torch.preserve_format).requires_grad_() for p in init]
+    opt = functional_optim_map[torch_cls](params, **kwargs)
+    if flat:
+        flatten_parameters(opt)
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch_cls(ref, foreach=False, **kwargs)
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad():
+                params[0].data = after(params[0].detach().clone())
+                ref[0].data = after(ref[0].detach().clone())
+        grads = [torch.randn(p.shape, generator=gen) for p in init]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        opt.step([g.clone() for g in grads])
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
