@@ -275,6 +275,15 @@ def _same_state(a, b) -> bool:
     )
 
 
+def _built(torch_cls: type, params, compiled: bool, flat: bool):
+    """The functional twin of ``torch_cls`` over ``params``, flattened where it can be and
+    ``flat`` asks, compiled where ``compiled`` does."""
+    optim = functional_optim_map[torch_cls](params)
+    if flat and type(optim).__name__ in FLAT_CLASSES:
+        flatten_parameters(optim)
+    return script_optimizer(optim) if compiled else optim
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["per-parameter", "flat"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
@@ -283,11 +292,7 @@ def test_a_sparse_compressed_gradient_is_refused_by_its_layout(torch_cls, compil
     gradient and its layout, and nothing changes (no new state either)."""
     params = [torch.randn(3, 3), torch.randn(2, 2)]
     before = [p.clone() for p in params]
-    optim = functional_optim_map[torch_cls](params)
-    if flat and type(optim).__name__ in FLAT_CLASSES:
-        flatten_parameters(optim)
-    if compiled:
-        optim = script_optimizer(optim)
+    optim = _built(torch_cls, params, compiled, flat)
     state = _snapshot(optim, compiled)
     error = torch.jit.Error if compiled else ValueError
     other = _grad_like(torch_cls, params[1])
@@ -305,12 +310,7 @@ def test_a_gradient_on_another_device_is_refused(torch_cls, compiled, flat) -> N
     device, before anything changes (a gradient on the meta device stands in for a CPU
     gradient of a CUDA parameter on a machine without one)."""
     params = [torch.randn(3, 2), torch.randn(4, 2), torch.randn(2, 2)]
-    before = [p.clone() for p in params]
-    optim = functional_optim_map[torch_cls](params)
-    if flat and type(optim).__name__ in FLAT_CLASSES:
-        flatten_parameters(optim)
-    if compiled:
-        optim = script_optimizer(optim)
+    optim = _built(torch_cls, params, compiled, flat)
     optim.step([_grad_like(torch_cls, p) for p in params])
     before = [p.clone() for p in params]
     state = _snapshot(optim, compiled)
