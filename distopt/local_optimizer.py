@@ -272,8 +272,7 @@ class _FunctionalGroups(torch.nn.Module):
         if flat:
             for optim in self.optims:
                 if type(optim).__name__ in FLAT_CLASSES:
-                    # Owners step with the gradients autograd accumulated in a context.
-                    flatten_parameters(optim, autograd_gradients=True)
+                    flatten_parameters(optim)
         #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
         #: stops being exclusive or is released, for a trainer that missed the switch.
         self.refusal = ""

@@ -16,23 +16,39 @@ namespace {
 
 // Fill ``out`` (a flat gradient buffer) with the gradients of a flat buffer's members and
 // return true, if every member can take part in a flat step: its gradient (``grads[members[k]]``)
-// is present, strided, of its view's dtype, shape and device, and the member ``params[k]``
-// is still set to its view ``views[k]``. Otherwise return false and write nothing. Member k
-// lies at ``offsets[k]`` of ``out``, back to back in buffer order.
+// is present, a plain strided tensor with its own memory (not a tensor subclass), of its view's
+// dtype, shape and device, not sharing memory with ``out``, and the member ``params[k]`` is
+// still set to its view ``views[k]``. Otherwise return false and write nothing. Member k lies at
+// ``offsets[k]`` of ``out``, back to back in buffer order. Arguments that do not describe a flat
+// buffer (lengths, offsets outside ``out``, ``out`` of another dtype) raise before any write.
 bool fill(const c10::List<std::optional<at::Tensor>>& grads, at::IntArrayRef members,
           at::TensorList params, at::TensorList views, at::IntArrayRef offsets, at::Tensor out) {
   const size_t n = members.size();
   TORCH_CHECK(params.size() == n && views.size() == n && offsets.size() == n,
               "distopt_flat::fill: ", n, " members but ", params.size(), " params, ",
               views.size(), " views and ", offsets.size(), " offsets");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "distopt_flat::fill: out must be a 1-D "
+              "contiguous buffer, got sizes ", out.sizes(), " and strides ", out.strides());
   const int64_t count = static_cast<int64_t>(grads.size());
-  std::vector<at::Tensor> gs;
-  gs.reserve(n);
+  const int64_t total = out.numel();
   for (size_t k = 0; k < n; ++k) {
     const int64_t i = members[k];
     TORCH_CHECK(i >= 0 && i < count, "distopt_flat::fill: member index ", i, " for ", count,
                 " gradients");
-    std::optional<at::Tensor> g = grads.get(i);
+    const at::Tensor& v = views[k];
+    TORCH_CHECK(v.scalar_type() == out.scalar_type(), "distopt_flat::fill: member ", k, " of ",
+                v.scalar_type(), " in a buffer of ", out.scalar_type());
+    const int64_t numel = v.numel();
+    // Written so that no sum can overflow: 0 <= offset <= total - numel.
+    TORCH_CHECK(offsets[k] >= 0 && numel <= total && offsets[k] <= total - numel,
+                "distopt_flat::fill: member ", k, " at ", offsets[k], " (", numel,
+                " elements) outside the buffer of ", total);
+  }
+  const auto& out_storage = out.storage();
+  std::vector<at::Tensor> gs;
+  gs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    std::optional<at::Tensor> g = grads.get(members[k]);
     if (!g.has_value() || !g->defined()) {
       return false;
     }
@@ -41,17 +57,25 @@ bool fill(const c10::List<std::optional<at::Tensor>>& grads, at::IntArrayRef mem
         g->device() != v.device() || g->sizes() != v.sizes() || !params[k].is_set_to(v)) {
       return false;
     }
+    // A tensor subclass (Python dispatch) or a tensor without memory of its own: let the
+    // per-parameter path (ATen's own ops) take it.
+    if (g->key_set().has(c10::DispatchKey::Python) || !g->has_storage() ||
+        (g->numel() > 0 && g->const_data_ptr() == nullptr)) {
+      return false;
+    }
+    // A gradient that is a view of the flat gradient buffer itself: copying in place would
+    // read what an earlier copy wrote.
+    if (g->storage().is_alias_of(out_storage)) {
+      return false;
+    }
     gs.push_back(std::move(*g));
   }
-  const bool cpu = out.is_cpu() && out.is_contiguous();
+  const bool cpu = out.is_cpu();
   const int64_t item = out.element_size();
   char* base = cpu ? static_cast<char*>(out.data_ptr()) : nullptr;
   for (size_t k = 0; k < n; ++k) {
     const at::Tensor& g = gs[k];
     const int64_t numel = g.numel();
-    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + numel <= out.numel(),
-                "distopt_flat::fill: member ", k, " at ", offsets[k], " (", numel,
-                " elements) outside the buffer of ", out.numel());
     if (cpu && g.is_cpu() && g.is_contiguous() && !g.is_conj() && !g.is_neg()) {
       std::memcpy(base + offsets[k] * item, g.const_data_ptr(), static_cast<size_t>(numel * item));
     } else {

@@ -246,13 +246,12 @@ def test_bad_gradients_get_the_per_parameter_errors_and_change_nothing():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_autograd_gradients_skip_only_the_checks_autograd_made(compiled: bool):
-    """With ``autograd_gradients=True`` (what owners use) the flat step still matches
-    torch.optim on gradients from backward, and a None gradient still steps per parameter."""
+def test_gradients_from_backward(compiled: bool):
+    """On gradients from backward the flat step matches torch.optim, and a None gradient
+    still steps per parameter."""
     mine = _layer_params()
     ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
-    opt = flatten_parameters(FunctionalAdam(mine, lr=0.1), autograd_gradients=True)
-    assert not opt.groups.flats[0].check_gradients
+    opt = flatten_parameters(FunctionalAdam(mine, lr=0.1))
     if compiled:
         opt = script_optimizer(opt)
     ref_opt = torch.optim.Adam(ref, lr=0.1)
@@ -279,8 +278,6 @@ def test_flatten_parameters_refuses_what_it_cannot_do():
         flatten_parameters(FunctionalSparseAdam(params))
     with pytest.raises(ValueError, match="Invalid optim: a compiled optimizer"):
         flatten_parameters(script_optimizer(FunctionalAdam(params)))
-    with pytest.raises(ValueError, match="Invalid autograd_gradients: 1"):
-        flatten_parameters(FunctionalAdam(params), autograd_gradients=1)
     with pytest.raises(ValueError, match="Invalid max_numel: -1"):
         flatten_parameters(FunctionalAdam(params), max_numel=-1)
 
@@ -437,3 +434,40 @@ def test_a_storage_held_elsewhere_is_not_flattened(holder: str):
     opt.step([torch.ones_like(p) for p in params])
     seen = torch.as_tensor(other)
     assert torch.equal(seen, enc.weight.detach()[0] if holder == "view" else enc.weight.detach())
+
+
+def test_memory_torch_does_not_own_is_not_flattened():
+    import numpy as np
+
+    array = np.zeros(3, dtype=np.float32)
+    params = [torch.from_numpy(array), torch.randn(4), torch.randn(5)]
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    assert [f.members for f in opt.groups.flats] == [[1, 2]]
+    opt.step([torch.ones(3), torch.ones(4), torch.ones(5)])
+    assert np.array_equal(array, params[0].numpy()) and array[0] != 0.0
+
+
+@pytest.mark.parametrize("what", ["a new exp_avg", "a new step", "a new entry"])
+def test_new_tensors_put_into_state_are_used(what: str):
+    """Eager code may put new tensors into ``state`` between steps, as with torch.optim."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in [(3,), (5,), (4,)]]
+    params = [p.clone() for p in init]
+    ref = [p.clone().requires_grad_() for p in init]
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    ref_opt = torch.optim.Adam(ref, lr=0.1)
+    for step in range(5):
+        if step == 2:
+            for state, key in ((opt.state, 1), (ref_opt.state, ref[1])):
+                if what == "a new exp_avg":
+                    state[key]["exp_avg"] = torch.zeros(5)
+                elif what == "a new step":
+                    state[key]["step"] = torch.tensor(0.0)
+                else:
+                    state[key] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(5),
+                                  "exp_avg_sq": torch.zeros(5)}
+        grads = [torch.randn(p.shape, generator=gen) for p in init]
+        _torch_step(ref_opt, ref, _clone(grads))
+        opt.step(_clone(grads))
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r.detach(), rtol=RTOL, atol=ATOL)

@@ -97,6 +97,7 @@ def test_the_torchscript_path_gives_the_same_results():
     env = dict(os.environ, DISTOPT_NATIVE="0")
     tests = [
         "tests/functional/test_native.py::test_the_native_ops_are_built_and_used",
+        "tests/functional/test_native.py::test_views_of_the_flat_gradient_buffer_as_gradients",
         "tests/functional/test_flat.py",
         "tests/distopt/test_flat.py",
     ]
@@ -107,3 +108,65 @@ def test_the_torchscript_path_gives_the_same_results():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+@native_only
+def test_fill_refuses_arguments_that_do_not_describe_a_buffer_before_writing():
+    params, views, offsets = _members()
+    grads = [torch.ones(2, 2) for _ in params]
+    out = torch.full((12,), -1.0)
+    for bad, match in [
+        ([0, 4, (1 << 63) - 2], "member 2 at 9223372036854775806"),  # offset + numel overflows
+        ([0, 4, 100], "member 2 at 100"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            _fill(grads, params, views, bad, out)
+        assert torch.equal(out, torch.full((12,), -1.0)), "a refused fill wrote to the buffer"
+    with pytest.raises(RuntimeError, match="member 0 of Float in a buffer of Double"):
+        _fill(grads, params, views, offsets, torch.zeros(12, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="1-D contiguous buffer"):
+        _fill(grads, params, views, offsets, torch.zeros(24)[::2])
+
+
+@native_only
+def test_fill_sends_subclasses_and_views_of_its_own_buffer_per_parameter():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    params, views, offsets = _members()
+    out = torch.full((12,), -1.0)
+    subclass = [torch.ones(2, 2), TwoTensor(torch.ones(2, 2), torch.ones(2, 2)), torch.ones(2, 2)]
+    assert not _fill(subclass, params, views, offsets, out)
+    own = [out[8:12].view(2, 2), out[0:4].view(2, 2), out[4:8].view(2, 2)]
+    assert not _fill(own, params, views, offsets, out)
+    assert torch.equal(out, torch.full((12,), -1.0))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_views_of_the_flat_gradient_buffer_as_gradients(compiled: bool):
+    """Gradients that are views of the optimizer's own flat gradient buffer, swapped between
+    members: torch.optim's numbers natively (the members step per parameter), torch's
+    aliasing error on the TorchScript path."""
+    from functional import FunctionalAdam, flatten_parameters, script_optimizer
+
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(4, generator=gen) for _ in range(3)]
+    params = [p.clone() for p in init]
+    ref = [p.clone().requires_grad_() for p in init]
+    opt = flatten_parameters(FunctionalAdam(params, lr=0.1))
+    buf = opt.groups.flats[0].grad
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch.optim.Adam(ref, lr=0.1)
+    for step in range(3):
+        buf.copy_(torch.randn(12, generator=gen))
+        grads = [buf[8:12], buf[0:4], buf[4:8]]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        if not _native.AVAILABLE:
+            with pytest.raises((RuntimeError, torch.jit.Error), match="single memory location"):
+                opt.step(grads)
+            return
+        opt.step(grads)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
