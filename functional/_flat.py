@@ -429,7 +429,9 @@ def flatten_parameters(
     A parameter is flattened when its storage is its own: dense, contiguous, the whole of
     its storage, held by no other tensor (another parameter, a view kept somewhere, a
     tied copy in another module, a numpy array: they would stop seeing its values), of a
-    floating dtype, with at most ``max_numel`` elements. Each becomes a view of its buffer (``p.data = view``), with its
+    floating dtype, requiring grad where any of ``optim``'s parameters does (a frozen one
+    gets no gradient), with at most ``max_numel`` elements. Each becomes a view of its
+    buffer (``p.data = view``), with its
     values; the Parameter objects, their ``requires_grad`` and their place in autograd stay
     as they were. Others keep the per-parameter path. Call it before ``script_optimizer``.
     State the optimizer already has is made flat at the next step that can use it.
@@ -514,10 +516,14 @@ def _flattenable(params: List[Tensor], max_numel: int) -> List[int]:
         if p.layout == torch.strided:
             ptr = p.untyped_storage().data_ptr()
             storages[ptr] = storages.get(ptr, 0) + 1
+    # Where some parameters require grad, the others are frozen: autograd gives them no
+    # gradient, and one member without a gradient keeps its whole buffer per parameter.
+    trained = any(p.requires_grad for p in params)
     out: List[int] = []
     for i, p in enumerate(params):
         if (
             p.layout == torch.strided
+            and (p.requires_grad or not trained)
             and p.dtype.is_floating_point
             and 0 < p.numel() <= max_numel
             and p.is_contiguous()

@@ -1,5 +1,6 @@
 """Flat parameter buffers (``functional.flatten_parameters``): the same numbers as torch.optim
 and as the per-parameter path, with the flat step really taken, and noticed when it cannot be."""
+import copy
 from typing import Any, List, Optional
 
 import pytest
@@ -471,3 +472,30 @@ def test_new_tensors_put_into_state_are_used(what: str):
         opt.step(_clone(grads))
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_frozen_parameters_stay_out_of_the_buffers(compiled: bool):
+    """A frozen parameter passed with trained ones gets no gradient from autograd; kept out
+    of the buffer, it does not hold the others on the per-parameter path."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    ref_model = copy.deepcopy(model)
+    opt = flatten_parameters(FunctionalAdam(list(model.parameters()), lr=0.1))
+    assert [f.members for f in opt.groups.flats] == [[0, 2, 3]]
+    if compiled:
+        opt = script_optimizer(opt)
+    ref_opt = torch.optim.Adam(ref_model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(8, 4, generator=gen)
+        model(x).square().sum().backward()
+        ref_model(x).square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step(grads)
+        ref_opt.step()
+        assert _stepped_flat(opt, grads)
+        for m in (model, ref_model):
+            m.zero_grad(set_to_none=True)
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=RTOL, atol=ATOL)
