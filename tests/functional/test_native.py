@@ -12,7 +12,10 @@ from distopt import local_optimizer
 from functional import _flat, _native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-native_only = pytest.mark.skipif(not _native.AVAILABLE, reason="native flat ops not built")
+native_only = pytest.mark.skipif(
+    not _native.AVAILABLE,
+    reason="no native flat ops in this process (no C++ compiler or ninja, or DISTOPT_NATIVE=0)",
+)
 
 
 def test_the_native_ops_are_built_and_used():
