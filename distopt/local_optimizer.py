@@ -390,7 +390,7 @@ class CompiledLocalOptimizer(LocalOptimizer):
         trainer: (worker name, key) of the creating DistributedOptimizer; None keeps the
             optimizer on the locked path.
         flat: put each group's small parameters into flat buffers, for the elementwise
-            classes (``functional.flatten_parameters`` with autograd's gradients).
+            classes (``functional.flatten_parameters``).
 
     Attributes:
         module: the scripted module (it holds its own copies of the functional optimizers).

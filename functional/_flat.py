@@ -50,7 +50,6 @@ class FlatBuffer(object):
         state: state key -> flat buffer (1-D; a scalar key holds one element per member).
         seen: the optimizer's state dict at the last flat step (a new dict from
             ``set_state`` means its entries must be checked again).
-        seen_len: how many entries ``seen`` held when the members' entries were checked.
         given: each member's entry tensors then (eager steps check they are still there).
         valid: the members' entries in ``seen`` are views of ``state`` and agree.
     """
@@ -80,7 +79,6 @@ class FlatBuffer(object):
         self.keys: List[str] = []
         self.state: Dict[str, Tensor] = {}
         self.seen: Dict[int, Dict[str, Tensor]] = {}
-        self.seen_len = 0
         self.given: List[Dict[str, Tensor]] = []
         self.valid = False
 
@@ -208,14 +206,13 @@ def flat_operands(
     A scalar key's operand is the first member's element; its buffer goes to ``pending``,
     for ``spread`` to copy that element to the others after the update.
     """
-    # Checked at every step, cheaply: the same state dict, as many entries as when the flat
-    # state was checked (state.clear() or a member's entry deleted since shows here), and
-    # each scalar state buffer agreeing (one member's step edited in place shows here).
-    # Eager code can also put new tensors into an entry (state[i]["exp_avg"] = ...), which
-    # only a look at every entry shows; a compiled optimizer's state is replaced whole
-    # (set_state), which the identity check shows.
+    # Checked at every step: the same state dict (a compiled optimizer's state changes only
+    # by set_state, which replaces it), each scalar state buffer agreeing (one member's step
+    # edited in place shows here), and in eager code, where the dict itself can be edited
+    # (state.clear(), del state[i], state[i]["exp_avg"] = ...), every member's entry still
+    # holding the tensors it held.
     if not (
-        f.valid and state is f.seen and f.keys == keys and len(state) == f.seen_len
+        f.valid and state is f.seen and f.keys == keys
         and _scalars_agree(f, keys, scalars)
         and (torch.jit.is_scripting() or _entries_unchanged(f, state, keys))
     ):
@@ -247,7 +244,6 @@ def flat_state(
         f.valid = True
         f.keys = keys
         f.seen = state
-        f.seen_len = len(state)
         return True
     members = f.members
     n_with = 0
@@ -287,7 +283,6 @@ def flat_state(
             f.state = flat
     f.keys = keys
     f.seen = state
-    f.seen_len = len(state)
     f.given = [_entry_of(state[i], keys) for i in members]
     if not _scalars_agree(f, keys, scalars):
         f.valid = False
