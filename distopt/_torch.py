@@ -8,6 +8,7 @@ a Python wrapper cannot be called.
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch._C._distributed_rpc import PyRRef
@@ -16,10 +17,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "PyRRef",
     "WeakIdKeyDictionary",
+    "all_gather_flat",
     "current_context_id",
     "init_optimizer_internals",
     "jit_enabled",
     "known_worker_ids",
+    "queue_end_of_backward",
     "retrieve_context",
     "rpc_initialized",
 ]
@@ -89,3 +92,24 @@ def init_optimizer_internals(optimizer: torch.optim.Optimizer) -> None:
     optimizer._patch_step_function()
     # No capturable (CUDA graph) state here: torch's warning about it does not apply.
     optimizer._warned_capturable_if_run_uncaptured = True
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback()`` once the backward pass now running has finished; call it from a
+    hook inside that pass.
+
+    Needed by ``distopt.parallel`` to find the parameters a backward pass gave no gradient
+    (the end of backward is where DDP's reducer finds them too); torch exposes the autograd
+    engine's callback queue only through ``Variable._execution_engine``.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def all_gather_flat(output: Any, tensor: Any, group: Any = None, async_op: bool = False) -> Any:
+    """Every rank's ``tensor``, concatenated in rank order into the 1-D ``output``.
+
+    Needed because torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``
+    (the old name warns), while torch 2.11 has only the old name.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)

@@ -328,6 +328,11 @@ class _FunctionalGroups(torch.nn.Module):
             self.optims[j].step(grads)
 
     @torch.jit.export
+    def step_group(self, group: int, gradients: List[Optional[Tensor]]) -> None:
+        """Step one group with ``gradients`` (its parameters' order; None skips one)."""
+        self.optims[group].step(gradients)
+
+    @torch.jit.export
     def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
         """Change a hyper-parameter (lr, betas, ...) of one group for the following steps."""
         self.optims[group].set_hyperparameter(name, value)

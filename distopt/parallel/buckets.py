@@ -1,0 +1,102 @@
+"""Flat gradient buckets: which parameters travel together, and the buffer they travel in.
+
+Parameters are taken in reverse registration order (the order backward usually produces
+their gradients), split by (device, dtype), and cut into buckets of at most
+``bucket_cap_mb``; a parameter larger than the cap gets a bucket of its own. The layout is
+fixed at construction, so every rank issues the same collectives in the same order.
+
+A bucket's buffer holds every gradient, one after the other, followed by one "used" flag per
+parameter: the reduction sums the flags too, so after it every rank knows which parameters
+got a gradient on some rank (the others are left untouched, as DDP's
+``find_unused_parameters`` leaves them).
+"""
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Bucket", "assign_buckets"]
+
+
+class Bucket:
+    """One flat buffer of gradients and the parameters it serves.
+
+    Attributes:
+        index: the position in the reduction order.
+        params: the parameters, in the buffer's order.
+        positions: each parameter's global index (torch.optim's numbering over the groups).
+        numel: the number of gradient elements (the flags follow them).
+        buffer: ``numel`` gradient elements, then ``len(params)`` flags.
+        grads: views of ``buffer`` shaped like each parameter.
+        flags: the flag part of ``buffer``.
+        used: per parameter, whether a backward pass of this window gave it a gradient here.
+        hooked: per parameter, the number of the last backward pass whose hook saw it.
+        pending: parameters the current reducing pass has not seen yet.
+        launched: whether this window's reduction of the bucket has been started.
+    """
+
+    def __init__(self, index: int, params: List[Tensor], positions: List[int]) -> None:
+        self.index = index
+        self.params = params
+        self.positions = positions
+        first = params[0]
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(
+            self.numel + len(params), dtype=first.dtype, device=first.device
+        )
+        self.grads: List[Tensor] = []
+        offset = 0
+        for p in params:
+            self.grads.append(self.buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.flags = self.buffer[self.numel:]
+        self.used = [False] * len(params)
+        self.hooked = [-1] * len(params)
+        self.pending = len(params)
+        self.launched = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    def reset(self) -> None:
+        """Forget the window that ended (its gradients stay in the buffer)."""
+        self.used = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.launched = False
+
+    def fill_flags(self) -> None:
+        """Write ``used`` into the flag part of the buffer."""
+        self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
+
+
+def assign_buckets(
+    params: Sequence[Tensor], positions: Sequence[int], cap_bytes: int
+) -> List[Bucket]:
+    """Cut ``params`` (in registration order) into buckets, in reduction order.
+
+    Args:
+        params: the parameters that take gradients.
+        positions: their global indices.
+        cap_bytes: the most gradient bytes a bucket holds (a larger parameter goes alone).
+
+    Returns:
+        The buckets, the first holding the last-registered parameters.
+    """
+    open_buckets: Dict[Tuple[torch.device, torch.dtype], Tuple[List[Tensor], List[int], int]] = {}
+    closed: List[Tuple[List[Tensor], List[int]]] = []
+    for p, i in zip(reversed(list(params)), reversed(list(positions))):
+        key = (p.device, p.dtype)
+        size = p.numel() * p.element_size()
+        members, indices, used = open_buckets.get(key, ([], [], 0))
+        if members and used + size > cap_bytes:
+            closed.append((members, indices))
+            members, indices, used = [], [], 0
+        members.append(p)
+        indices.append(i)
+        open_buckets[key] = (members, indices, used + size)
+    closed.extend((members, indices) for members, indices, _ in open_buckets.values())
+    # Order by the first parameter each bucket serves in reverse registration order.
+    order = {id(p): k for k, p in enumerate(reversed(list(params)))}
+    closed.sort(key=lambda mi: order[id(mi[0][0])])
+    return [Bucket(k, members, indices) for k, (members, indices) in enumerate(closed)]

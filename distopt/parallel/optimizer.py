@@ -1,0 +1,595 @@
+r"""``DataParallelOptimizer``: a torch.optim optimizer whose gradients are averaged over ranks.
+
+Every rank holds the whole model and runs forward and backward on its own batch; the
+optimizer averages the gradients over the process group while backward runs (see
+``distopt.parallel.reducer``) and steps. The step is a compiled functional optimizer, one
+per (bucket, param group), so that with ``overlap=True`` a bucket's parameters are updated
+as soon as its reduction has arrived, without the GIL, while backward computes the rest;
+stepping bucket by bucket equals one step over everything, bit for bit, because no
+torch.optim algorithm couples parameters. Classes with no functional twin run eagerly,
+once every bucket has arrived.
+"""
+import contextlib
+import logging
+import math
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distopt import _torch
+from distopt.arguments import check_arguments, check_optimizer_class
+from distopt.local_optimizer import CompiledLocalOptimizer
+from distopt.param_groups import as_keywords, pending_changes, snapshot
+from distopt.parallel.buckets import Bucket, assign_buckets
+from distopt.parallel.compression import Compression, TopK, dense_reduction
+from distopt.parallel.reducer import GradientReducer
+from distopt.parallel.sync import RoundRobin, average_, partition
+from functional import functional_optim_map
+from functional._state import check_hyperparameter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataParallelOptimizer"]
+
+
+class DataParallelOptimizer(torch.optim.Optimizer):
+    r"""Data-parallel training with any torch.optim algorithm, on torch.distributed.
+
+    Use it where you would wrap the model in DDP and build a torch.optim optimizer: the
+    model stays a plain module on every rank; gradients are averaged over ``process_group``
+    (as DDP averages them) in flat buckets, overlapped with backward, and then stepped::
+
+        opt = DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    It is a :class:`torch.optim.Optimizer`: param groups, every lr scheduler, step hooks,
+    ``state_dict`` / ``load_state_dict`` in torch.optim's format (plus ``"residuals"`` with
+    error feedback and ``"sync"`` with ``RoundRobin``), ``zero_grad``. After ``step`` each
+    parameter's ``.grad`` holds the averaged gradient (a view of its bucket), as with DDP.
+
+    At construction the parameters are broadcast from the group's first rank, as DDP does.
+
+    Args:
+        optimizer_class: a torch.optim class. Those in ``functional.functional_optim_map``
+            (all of torch.optim's but LBFGS) step compiled, bucket by bucket; any other
+            :class:`torch.optim.Optimizer` subclass steps eagerly after the last bucket.
+        params: parameters or param group dicts, as torch.optim takes them.
+        *args: the optimizer's positional arguments after the parameters.
+        process_group: the group to average over (None: the default group); any group this
+            rank belongs to.
+        bucket_cap_mb: the most gradient megabytes (2**20 bytes) in one bucket.
+        compression: None, ``Cast(dtype)``, ``TopK(ratio)`` or ``Threshold(value)``.
+        backward_passes_per_step: backward passes whose gradients accumulate (summed, as
+            under DDP's ``no_sync``) before one reduction; ``step()`` after fewer passes
+            reduces what accumulated.
+        sync: None (average gradients) or ``RoundRobin(k)`` (step locally, average a
+            partition of the parameters per step).
+        overlap: step each bucket as soon as its reduction arrives, during backward
+            (compiled classes; eager ones overlap only the reduction). Set False to step
+            after the last bucket, for instance to clip gradients first.
+        **kwargs: the optimizer's keyword arguments.
+
+    Raises:
+        TypeError / ValueError: a bad argument, named, before any collective (and
+            torch.optim's own checks of the optimizer's arguments).
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type,
+        params: Iterable[Union[Tensor, Dict[str, Any]]],
+        *args: Any,
+        process_group: Any = None,
+        bucket_cap_mb: float = 25.0,
+        compression: Optional[Compression] = None,
+        backward_passes_per_step: int = 1,
+        sync: Optional[RoundRobin] = None,
+        overlap: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        eager = optimizer_class not in functional_optim_map or not _torch.jit_enabled()
+        check_optimizer_class(optimizer_class, eager)
+        _check_options(bucket_cap_mb, compression, backward_passes_per_step, sync, overlap)
+        group, rank, world_size = _group_info(process_group)
+        groups = _param_groups(params)
+        check_arguments(optimizer_class, args, kwargs, groups)
+        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        # torch.optim's own checks and defaults, and (eager) the optimizer that steps.
+        inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
+        self.optimizer_class = optimizer_class
+        self.process_group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.compression = compression
+        self.sync = sync
+        self.overlap = overlap
+        self.backward_passes_per_step = backward_passes_per_step
+        self.is_functional_optim = not eager
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        _torch.init_optimizer_internals(self)
+        self._eager = inner if eager else None
+
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        group_of = [j for j, g in enumerate(self.param_groups) for _ in g["params"]]
+        trained = [i for i, p in enumerate(all_params) if p.requires_grad]
+        codec = dense_reduction() if compression is None else compression
+        if isinstance(codec, TopK) and codec.ratio == 1.0:
+            codec = dense_reduction()
+        self._codec = codec
+        self._buckets = assign_buckets(
+            [all_params[i] for i in trained], trained, max(1, int(bucket_cap_mb * 2**20))
+        )
+        for bucket in self._buckets:
+            if compression is not None:
+                compression.check_bucket(bucket)
+            if codec.error_feedback:
+                bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
+        self._broadcast_parameters(all_params)
+
+        # One functional optimizer per (bucket, param group): a bucket steps on its own.
+        self._units_of_group: List[List[int]] = [[] for _ in self.param_groups]
+        unit_params: List[List[Tensor]] = []
+        unit_indices: List[List[int]] = []
+        unit_options: List[Dict[str, Any]] = []
+        for bucket in self._buckets:
+            bucket.units = []
+            slots_by_group: Dict[int, List[int]] = {}
+            for slot, i in enumerate(bucket.positions):
+                slots_by_group.setdefault(group_of[i], []).append(slot)
+            for j, slots in sorted(slots_by_group.items()):
+                u = len(unit_params)
+                unit_params.append([bucket.params[s] for s in slots])
+                unit_indices.append([bucket.positions[s] for s in slots])
+                unit_options.append(options[j])
+                self._units_of_group[j].append(u)
+                bucket.units.append((u, slots, [bucket.grads[s] for s in slots]))
+        self._local: Optional[CompiledLocalOptimizer] = None
+        if not eager and unit_params:
+            fargs, fkwargs = as_keywords(optimizer_class, args, kwargs)
+            self._local = CompiledLocalOptimizer(
+                functional_optim_map[optimizer_class], optimizer_class, unit_params,
+                unit_indices, unit_options, fargs, fkwargs,
+            )
+        self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
+        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
+        self._settable = (
+            self._local.settable(self._hyper_keys) if self._local is not None else None
+        )
+
+        self._round = 0
+        self._partitions: List[List[int]] = []
+        self._reducer: Optional[GradientReducer] = None
+        if sync is not None:
+            self._trained = [all_params[i] for i in trained]
+            self._partitions = partition(self._trained, sync.k)
+        elif self._buckets:
+            self._reducer = GradientReducer(
+                self._buckets, codec, group, rank, world_size, backward_passes_per_step,
+                self._apply_changes, self._on_reduced,
+            )
+        logger.info(
+            "rank %d of %d: %d parameters in %d buckets, %s, compression=%r, sync=%r",
+            rank, world_size, len(trained), len(self._buckets),
+            "compiled" if self._local is not None else "eager", compression, sync,
+        )
+
+    # ------------------------------------------------------------ stepping
+
+    def step(self, closure: Optional[Any] = None) -> Optional[Any]:  # type: ignore[override]
+        """Finish averaging this step's gradients and update the parameters.
+
+        Waits for every bucket (with ``overlap=True`` most were stepped during backward).
+        Parameters no rank gave a gradient since the last step are left untouched.
+
+        Args:
+            closure: as torch.optim's: reevaluates the model and returns the loss.
+
+        Raises:
+            RuntimeError: a collective failed (another rank died, raised or timed out),
+                naming this rank and the bucket; every later step raises it again.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.sync is not None:
+            self._local_step_and_average()
+            return loss
+        if self._reducer is None:
+            return loss
+        self._reducer.complete()
+        try:
+            if not self.overlap or self._eager is not None:
+                self._step_all()
+        finally:
+            self._reducer.reset()
+        return loss
+
+    def _apply_changes(self) -> None:
+        """Send hyper-parameters changed in ``param_groups`` to the compiled steps."""
+        if self._local is None:
+            return
+        changes = pending_changes(
+            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+        )
+        for j, values in changes.items():
+            self._local.apply_changes(
+                [(u, key, value) for u in self._units_of_group[j] for key, value in values.items()]
+            )
+            self._sent[j].update({k: snapshot(v) for k, v in values.items()})
+
+    def _on_reduced(self, bucket: Bucket, unused: List[int]) -> None:
+        bucket.unused = unused
+        if self.overlap and self._eager is None:
+            self._step_bucket(bucket)
+
+    def _step_bucket(self, bucket: Bucket) -> None:
+        unused = set(getattr(bucket, "unused", ()))
+        step = self._local.module.step_group
+        for u, slots, grads in bucket.units:
+            if unused:
+                grads = [None if s in unused else g for s, g in zip(slots, grads)]
+            step(u, grads)
+
+    def _step_all(self) -> None:
+        if self._eager is not None:
+            self._eager.step()
+            return
+        for bucket in self._buckets:
+            self._step_bucket(bucket)
+
+    def _local_step_and_average(self) -> None:
+        """``RoundRobin``: step on this rank's gradients, then average one partition."""
+        if self._eager is not None:
+            self._eager.step()
+        else:
+            self._apply_changes()
+            step = self._local.module.step_group
+            for bucket in self._buckets:
+                for u, slots, _ in bucket.units:
+                    step(u, [_dense_grad(bucket, s) for s in slots])
+        members = self._partitions[self._round % self.sync.k]
+        self._round += 1
+        if not members:
+            return
+        params = [self._trained[m] for m in members]
+        tensors = [p.data for p in params] + self._shaped_state(params)
+        average_(tensors, self.process_group, self.world_size)
+
+    def _shaped_state(self, params: List[Tensor]) -> List[Tensor]:
+        """The state tensors shaped like their parameter (the step count is not one)."""
+        if self._eager is not None:
+            entries = [self._eager.state.get(p, {}) for p in params]
+        else:
+            wanted = {id(p) for p in params}
+            state = self._local.torch_state(copy=False)
+            position = {id(p): i for b in self._buckets for p, i in zip(b.params, b.positions)}
+            entries = [state.get(position[id(p)], {}) for p in params if id(p) in wanted]
+        out = []
+        for p, entry in zip(params, entries):
+            for key, value in entry.items():
+                if (key != "step" and isinstance(value, Tensor) and value.is_floating_point()
+                        and value.shape == p.shape):
+                    out.append(value)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without reducing, as DDP's
+        ``no_sync``; the first pass outside (or ``step()``) reduces the sum."""
+        if self._reducer is None:
+            yield
+            return
+        previous = self._reducer.no_sync
+        self._reducer.no_sync = True
+        try:
+            yield
+        finally:
+            self._reducer.no_sync = previous
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> Tensor:
+        """Clip the averaged gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_``; call it between backward and ``step()``.
+
+        The averaged gradients are equal on every rank, so the norm is too, with no extra
+        collective. With ``RoundRobin`` the gradients are each rank's own: the norm is that
+        of all ranks' gradients together (one scalar all_reduce).
+
+        Returns:
+            The total norm (before clipping).
+
+        Raises:
+            RuntimeError: buckets step during backward (``overlap=True`` with a compiled
+                class), so there is nothing left to clip: build with ``overlap=False``.
+        """
+        params = [p for b in self._buckets for p in b.params]
+        if self.sync is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+            total = local.detach().clone().to(torch.float64)
+            if math.isinf(norm_type):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+            else:
+                total.pow_(norm_type)
+                dist.all_reduce(total, group=self.process_group)
+                total.pow_(1.0 / norm_type)
+            total = total.to(local.dtype)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+            return total
+        if self.overlap and self._eager is None:
+            raise RuntimeError(
+                "Invalid clip_grad_norm_: with overlap=True each bucket is stepped as soon as "
+                "its gradients are averaged, during backward, before any clipping (expected "
+                "DataParallelOptimizer(..., overlap=False) to clip)"
+            )
+        if self._reducer is not None:
+            self._reducer.complete()
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite, foreach
+        )
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The state in torch.optim's format; with error feedback also ``"residuals"``
+        (global index -> this rank's residual), with ``RoundRobin`` ``"sync"``."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        if self._eager is not None:
+            sd = self._eager.state_dict()
+        else:
+            indices, start = [], 0
+            for g in self.param_groups:
+                indices.append(list(range(start, start + len(g["params"]))))
+                start += len(g["params"])
+            state = self._local.torch_state() if self._local is not None else {}
+            sd = {
+                "state": dict(sorted(state.items())),
+                "param_groups": [
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": idx}
+                    for g, idx in zip(self.param_groups, indices)
+                ],
+            }
+        if self._codec.error_feedback:
+            sd["residuals"] = {
+                i: getattr(b, "residual")[o:o + p.numel()].view(p.shape).clone()
+                for b in self._buckets
+                for i, p, o in zip(b.positions, b.params, _offsets(b))
+            }
+        if self.sync is not None:
+            sd["sync"] = {"round": self._round}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state_dict of this class (a local torch.optim one too); everything is
+        checked before anything changes.
+
+        Raises:
+            ValueError: another class, group count, parameter count, shape, or a state entry
+                that does not fit, named.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or "state" not in state_dict or (
+            "param_groups" not in state_dict
+        ):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"Invalid state_dict: {len(saved_groups)} param groups (expected "
+                f"{len(self.param_groups)})"
+            )
+        saved_ids = []
+        for j, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
+                    f"parameters (expected {len(group['params'])})"
+                )
+            saved_ids.extend(saved["params"])
+        residuals = self._check_residuals(state_dict, saved_ids)
+        if self._eager is not None:
+            inner = {"state": state_dict["state"], "param_groups": saved_groups}
+            self._eager.load_state_dict(inner)
+            self.param_groups = self._eager.param_groups
+            self.state = self._eager.state
+        else:
+            position = {saved: i for i, saved in enumerate(saved_ids)}
+            state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+            for j, saved in enumerate(saved_groups):
+                for key in self._hyper_keys:
+                    if key in saved:
+                        check_hyperparameter(
+                            self.optimizer_class, key, saved[key], f"state_dict param group {j}"
+                        )
+            if self._local is not None:
+                self._local.check_torch_state(state)
+                unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
+                hyper = [
+                    {k: v for k, v in saved_groups[unit_group[u]].items() if k != "params"}
+                    for u in range(len(self._local.group_params))
+                ]
+                self._local.load_torch_state(hyper, state)
+            for group, saved in zip(self.param_groups, saved_groups):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            self._sent = [
+                {k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups
+            ]
+        for b in self._buckets:
+            for i, p, o in zip(b.positions, b.params, _offsets(b)):
+                if i in residuals:
+                    b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
+        if self.sync is not None and "sync" in state_dict:
+            self._round = int(state_dict["sync"]["round"])
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _check_residuals(self, state_dict: Dict[str, Any], saved_ids: List[Any]) -> Dict[int, Tensor]:
+        if not self._codec.error_feedback:
+            return {}
+        position = {saved: i for i, saved in enumerate(saved_ids)}
+        out = {}
+        params = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
+        for saved, value in state_dict.get("residuals", {}).items():
+            i = position.get(saved)
+            if i is None or i not in params:
+                raise ValueError(f"Invalid state_dict['residuals']: parameter {saved!r} (expected "
+                                 f"one of the trained parameters)")
+            if not isinstance(value, Tensor) or value.shape != params[i].shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"Invalid state_dict['residuals'][{saved!r}]: {got} (expected a tensor of "
+                    f"shape {tuple(params[i].shape)})"
+                )
+            out[i] = value
+        return out
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Not supported: the buckets are fixed at construction.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            "Invalid add_param_group: a DataParallelOptimizer's buckets are fixed at "
+            "construction (expected every param group in the constructor)"
+        )
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the communication threads."""
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+
+    # ------------------------------------------------------------ construction
+
+    def _broadcast_parameters(self, params: List[Tensor]) -> None:
+        """Every rank starts from the group's first rank's parameters, as under DDP."""
+        if self.world_size == 1 or not params:
+            return
+        source = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        average = [p.data for p in params]
+        by_kind: Dict[Any, List[Tensor]] = {}
+        for t in average:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for members in by_kind.values():
+                flat = torch.cat([t.reshape(-1) for t in members])
+                dist.broadcast(flat, source, group=self.process_group)
+                offset = 0
+                for t in members:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+
+def _offsets(bucket: Bucket) -> List[int]:
+    out, offset = [], 0
+    for p in bucket.params:
+        out.append(offset)
+        offset += p.numel()
+    return out
+
+
+def _dense_grad(bucket: Bucket, slot: int) -> Optional[Tensor]:
+    grad = bucket.params[slot].grad
+    if grad is not None and grad.layout != torch.strided:
+        raise ValueError(
+            f"Invalid gradient of parameter {bucket.positions[slot]}: {grad.layout} "
+            f"(expected a dense gradient)"
+        )
+    return grad
+
+
+def _check_options(
+    bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, overlap: Any
+) -> None:
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
+        math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0
+    ):
+        raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (expected a finite float > 0)")
+    if compression is not None and not isinstance(compression, Compression):
+        raise TypeError(
+            f"Invalid compression: {compression!r} (expected None, Cast, TopK or Threshold)"
+        )
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"Invalid backward_passes_per_step: {passes!r} (expected an int >= 1)")
+    if sync is not None and not isinstance(sync, RoundRobin):
+        raise TypeError(f"Invalid sync: {sync!r} (expected None or RoundRobin(k))")
+    if sync is not None and compression is not None:
+        raise ValueError(
+            f"Invalid compression: {compression!r} with sync={sync!r} (expected None: "
+            f"RoundRobin averages parameters, not gradients)"
+        )
+    if not isinstance(overlap, bool):
+        raise TypeError(f"Invalid overlap: {overlap!r} (expected a bool)")
+
+
+def _group_info(process_group: Any) -> Any:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"Invalid process_group: {process_group!r} (expected torch.distributed to be "
+            f"initialized first: torch.distributed.init_process_group)"
+        )
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER or (
+        isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER
+    ):
+        raise ValueError(
+            f"Invalid process_group: this rank ({dist.get_rank()}) is not one of its members "
+            f"(expected a group this rank belongs to)"
+        )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"Invalid process_group: {process_group!r} (expected None or a "
+            f"torch.distributed ProcessGroup)"
+        )
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(
+            f"Invalid process_group: this rank ({dist.get_rank()}) is not one of its members "
+            f"(expected a group this rank belongs to)"
+        )
+    return process_group, rank, dist.get_world_size(process_group)
+
+
+def _param_groups(params: Any) -> List[Dict[str, Any]]:
+    """The constructor's parameters as new group dicts (torch.optim's rules for the rest)."""
+    if isinstance(params, Tensor):
+        raise TypeError(
+            f"Invalid params: a {type(params).__name__} (expected an iterable of Tensors or "
+            f"of param group dicts, e.g. model.parameters())"
+        )
+    items = list(params)
+    if not items:
+        raise ValueError("Invalid params: [] (expected at least one parameter)")
+    if not isinstance(items[0], dict):
+        return [{"params": items}]
+    groups = []
+    for j, g in enumerate(items):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"Invalid params[{j}]: {g!r} (expected a dict with 'params')")
+        ps = g["params"]
+        groups.append({**g, "params": [ps] if isinstance(ps, Tensor) else list(ps)})
+    return groups

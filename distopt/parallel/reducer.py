@@ -1,0 +1,303 @@
+"""Averaging gradients over a process group, bucket by bucket, while backward runs.
+
+One ``GradientReducer`` serves one DataParallelOptimizer. Its life is a series of windows,
+each ending at ``step()``: some backward passes accumulate gradients in ``.grad``; the last
+one (the ``backward_passes_per_step``-th outside ``no_sync``) is the reducing pass. In it,
+each parameter's post-accumulate-grad hook copies the gradient into its bucket (and makes
+``.grad`` a view of it); a bucket whose parameters have all arrived is handed to the
+communication thread, which issues every collective, in bucket order, so every rank issues
+the same collectives in the same order (gloo requires it; torch's PowerSGD hook, issuing
+from gloo's callback threads, aborts when it is not). A second thread waits for each
+reduction, leaves the average in the bucket (so in ``.grad``) and calls ``on_reduced``,
+which may step the bucket's parameters at once, while backward goes on.
+
+At the end of the reducing pass (the autograd engine's final callback) parameters the pass
+did not reach are flushed: their accumulated gradient, or zeros, goes in, and their flags
+say whether this rank used them at all. ``complete()`` (from ``step()``) flushes a window
+that never reached its reducing pass (fewer passes, the end of an epoch) and waits.
+"""
+import logging
+import queue
+import threading
+import weakref
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from distopt._torch import queue_end_of_backward
+from distopt.parallel.buckets import Bucket
+from distopt.parallel.compression import Compression
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradientReducer"]
+
+
+class GradientReducer:
+    """Hooks, the communication thread and the window bookkeeping.
+
+    Args:
+        buckets: the buckets, in reduction order.
+        codec: how each bucket is reduced.
+        group: the process group (None: the default one).
+        rank: this process's rank in ``group``.
+        world_size: ``group``'s size.
+        passes_per_step: backward passes per reduction.
+        before_reduction: called (on the thread running backward, or in ``complete``)
+            once per window, before its first bucket is handed over; may raise.
+        on_reduced: called on the finishing thread with each reduced bucket and the
+            positions (in the bucket) of parameters no rank gave a gradient.
+
+    Attributes:
+        no_sync: backward passes while it is True accumulate and do not count.
+        reducing: this window's reduction has begun.
+    """
+
+    def __init__(
+        self,
+        buckets: List[Bucket],
+        codec: Compression,
+        group: Any,
+        rank: int,
+        world_size: int,
+        passes_per_step: int,
+        before_reduction: Callable[[], None],
+        on_reduced: Callable[[Bucket, List[int]], None],
+    ) -> None:
+        self.buckets = buckets
+        self.codec = codec
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.passes_per_step = passes_per_step
+        self.before_reduction = before_reduction
+        self.on_reduced = on_reduced
+        self.no_sync = False
+        self.reducing = False
+        self._pass = 0
+        self._pass_open = False
+        self._pass_syncs = True
+        self._pass_reduces = False
+        self._passes = 0
+        self._done = 0
+        self._error: Optional[Tuple[str, BaseException]] = None
+        self._cond = threading.Condition()
+        self._ready: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
+        self._issued: "queue.SimpleQueue[Optional[Tuple[Bucket, Any]]]" = queue.SimpleQueue()
+        self._threads: List[threading.Thread] = []
+        self._handles = []
+        ref = weakref.ref(self)
+        for bucket in buckets:
+            for slot, p in enumerate(bucket.params):
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(_hook(ref, bucket, slot))
+                )
+        weakref.finalize(self, _stop, self._ready, self._issued, list(self._handles))
+
+    # ------------------------------------------------------------ backward thread
+
+    def on_grad(self, bucket: Bucket, slot: int, param: Tensor) -> None:
+        """A parameter's gradient for this pass is complete."""
+        if not self._pass_open:
+            self._open_pass()
+        bucket.used[slot] = True
+        if not self._pass_reduces:
+            return
+        bucket.hooked[slot] = self._pass
+        self._take(bucket, slot, param)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _open_pass(self) -> None:
+        if self.reducing:
+            raise RuntimeError(
+                "Invalid backward pass: the gradients of this step are already being "
+                "reduced (expected step() after every backward_passes_per_step backward "
+                "passes, or the extra passes inside no_sync())"
+            )
+        syncs = not self.no_sync
+        reduces = syncs and self._passes + 1 >= self.passes_per_step
+        if reduces:
+            self.before_reduction()  # may raise: then this pass reduces nothing
+            self.reducing = True
+        self._pass += 1
+        self._pass_syncs = syncs
+        self._pass_reduces = reduces
+        self._pass_open = True
+        queue_end_of_backward(self._end_of_pass)
+
+    def _end_of_pass(self) -> None:
+        self._pass_open = False
+        if self._pass_syncs:
+            self._passes += 1
+        if self._pass_reduces:
+            self._flush(lambda bucket, slot: bucket.hooked[slot] != self._pass)
+
+    def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
+        """Put the parameter's accumulated gradient (or zeros) into its bucket slot."""
+        grad = param.grad
+        view = bucket.grads[slot]
+        if grad is view:
+            return
+        if grad is None:
+            view.zero_()
+            return
+        if grad.layout != torch.strided:
+            raise ValueError(
+                f"Invalid gradient of parameter {bucket.positions[slot]}: {grad.layout} "
+                f"(expected a dense gradient: DataParallelOptimizer reduces dense gradients; "
+                f"use a dense embedding, or distopt.sparse for sharded tables)"
+            )
+        view.copy_(grad)
+        param.grad = view
+
+    def _flush(self, missing: Callable[[Bucket, int], bool]) -> None:
+        for bucket in self.buckets:
+            if bucket.launched:
+                continue
+            for slot, p in enumerate(bucket.params):
+                if missing(bucket, slot):
+                    self._take(bucket, slot, p)
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.fill_flags()
+        bucket.launched = True
+        if not self._threads:
+            self._start_threads()
+        self._ready.put(bucket.index)
+
+    def _start_threads(self) -> None:
+        ref = weakref.ref(self)
+        for target, name in ((_communicate, "comm"), (_finish, "finish")):
+            thread = threading.Thread(
+                target=target, args=(ref, self._ready if name == "comm" else self._issued),
+                name=f"distopt-dp-{name}-rank{self.rank}", daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    # ------------------------------------------------------------ step()
+
+    def complete(self) -> None:
+        """Reduce what this window accumulated (if backward has not started it) and wait
+        for every bucket.
+
+        Raises:
+            RuntimeError: a collective or an overlapped step failed, on this call and every
+                later one (the ranks' collectives are out of step from then on).
+        """
+        self._raise_error()
+        if not self.reducing:
+            self.before_reduction()
+            self.reducing = True
+            self._flush(lambda bucket, slot: True)
+        with self._cond:
+            while self._done < len(self.buckets) and self._error is None:
+                self._cond.wait()
+        self._raise_error()
+
+    def reset(self) -> None:
+        """Start the next window."""
+        self._done = 0
+        self._passes = 0
+        self.reducing = False
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            what, exc = self._error
+            raise RuntimeError(
+                f"DataParallelOptimizer on rank {self.rank} of {self.world_size}: {what} "
+                f"failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = (what, exc)
+                logger.error("rank %d: %s failed: %s", self.rank, what, exc)
+            self._cond.notify_all()
+
+    def bucket_done(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Remove the hooks and stop the threads."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        _stop(self._ready, self._issued, [])
+
+
+def _hook(ref: "weakref.ref[GradientReducer]", bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        reducer = ref()
+        if reducer is not None:
+            reducer.on_grad(bucket, slot, param)
+
+    return hook
+
+
+def _describe(bucket: Bucket) -> str:
+    return f"bucket {bucket.index} ({bucket.numel} {bucket.dtype} gradient elements)"
+
+
+def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[Optional[int]]") -> None:
+    """The communication thread: issue each window's buckets in order as they are ready."""
+    arrived = set()
+    following = 0
+    while True:
+        index = ready.get()
+        reducer = ref()
+        if index is None or reducer is None:
+            return
+        arrived.add(index)
+        while following in arrived:
+            bucket = reducer.buckets[following]
+            try:
+                pending = reducer.codec.issue(bucket, reducer.group, reducer.world_size)
+            except BaseException as exc:  # noqa: B902 - reported by step()
+                reducer.fail(f"starting the reduction of {_describe(bucket)}", exc)
+                return
+            reducer._issued.put((bucket, pending))
+            arrived.discard(following)
+            following += 1
+        if following == len(reducer.buckets):
+            following = 0
+        del reducer
+
+
+def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]") -> None:
+    """The finishing thread: wait for each reduction in order, then hand the bucket on."""
+    while True:
+        item = issued.get()
+        reducer = ref()
+        if item is None or reducer is None:
+            return
+        bucket, pending = item
+        what = f"the reduction of {_describe(bucket)}"
+        try:
+            reducer.codec.finish(pending, bucket, reducer.world_size)
+            unused = [k for k, f in enumerate(bucket.flags.tolist()) if f == 0]
+            for k in unused:
+                bucket.params[k].grad = None
+            what = f"the step of {_describe(bucket)}"
+            reducer.on_reduced(bucket, unused)
+        except BaseException as exc:  # noqa: B902 - reported by step()
+            reducer.fail(what, exc)
+            return
+        reducer.bucket_done()
+        del reducer, bucket, pending
+
+
+def _stop(ready: Any, issued: Any, handles: List[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    ready.put(None)
+    issued.put(None)

@@ -1,0 +1,78 @@
+"""Partial synchronisation (Apache SINGA's ``backward_and_partial_update``).
+
+With ``sync=RoundRobin(k)`` no gradient is reduced: every rank steps on its own gradients,
+then averages one of ``k`` partitions of the parameters, in turn, so that each parameter is
+averaged every ``k`` steps and a step sends about ``1/k`` of what parameter averaging sends.
+
+What is averaged with a partition's parameters: every state tensor shaped like its parameter
+(``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``square_avg``, ...), so that right after
+its turn a partition is the same on every rank, model and optimizer alike; ``step`` counts
+agree already. The averages are plain means, ``exp_avg_sq`` included.
+"""
+from typing import Any, List, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["RoundRobin", "average_", "partition"]
+
+
+class RoundRobin:
+    """Average one of ``k`` parameter partitions per step, in turn.
+
+    Args:
+        k: the number of partitions, >= 1 (``RoundRobin(1)`` averages everything at every
+            step: local SGD with period 1).
+
+    Raises:
+        ValueError: ``k`` < 1; TypeError: not an int.
+    """
+
+    def __init__(self, k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"Invalid k: {k!r} (expected an int >= 1)")
+        if k < 1:
+            raise ValueError(f"Invalid k: {k!r} (expected an int >= 1)")
+        self.k = k
+
+    def __repr__(self) -> str:
+        return f"RoundRobin({self.k})"
+
+
+def partition(params: Sequence[Tensor], k: int) -> List[List[int]]:
+    """Cut ``params`` (in order) into ``k`` runs of about equal numel; returns positions.
+
+    A run may be empty when there are fewer parameters than partitions.
+    """
+    total = sum(p.numel() for p in params)
+    parts: List[List[int]] = [[] for _ in range(k)]
+    seen = 0
+    for i, p in enumerate(params):
+        # The partition whose share of the elements this parameter's middle falls in.
+        middle = seen + p.numel() / 2.0
+        parts[min(k - 1, int(middle * k / max(total, 1)))].append(i)
+        seen += p.numel()
+    return parts
+
+
+def average_(tensors: List[Tensor], group: Any, world_size: int) -> int:
+    """Replace each tensor by its mean over the group's ranks, one all_reduce per dtype.
+
+    Returns:
+        The number of elements averaged.
+    """
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    count = 0
+    with torch.no_grad():
+        for members in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in members]).div_(world_size)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+            count += flat.numel()
+    return count

@@ -1,0 +1,96 @@
+"""Process groups for the tests: W processes on 127.0.0.1 (a free port), gloo.
+
+``run_world(fn, world_size, *args)`` spawns the ranks, each calling ``fn(rank, world_size,
+*args)`` inside an initialized default group, and returns every rank's result in rank order.
+A rank that raises makes ``run_world`` raise with that rank's traceback. Children run with
+one intra-op thread, so several ranks on two cores do not oversubscribe them.
+"""
+import datetime
+import io
+import multiprocessing
+import os
+import socket
+import traceback
+from typing import Any, Callable, List
+
+import torch
+
+#: The process group's timeout in the children: what a collective waits for a lost peer.
+TIMEOUT_S = 20.0
+#: The most a whole world may run before the test fails (no hang survives this).
+WORLD_LIMIT_S = 240.0
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
+           args: tuple, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        # As bytes: a tensor put in a queue travels as a file descriptor that dies with us.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: B902 - reported to the test
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone
+                pass
+    # Flush the result (the queue's feeder thread), then skip interpreter teardown: gloo
+    # threads of a failed group can block it.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout_s: float = TIMEOUT_S, expect_dead: tuple = ()) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
+
+    Args:
+        expect_dead: ranks that end without a result (killed by the test itself); their
+            entry is None.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, timeout_s, args, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: List[Any] = [None] * world_size
+    failures = []
+    try:
+        for _ in range(world_size - len(expect_dead)):
+            rank, ok, value = results.get(timeout=WORLD_LIMIT_S)
+            if ok:
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return out
