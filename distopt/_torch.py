@@ -5,6 +5,7 @@ runs on torch 2.11 and 2.13). Not here: torch's ``_foreach_*`` kernels, which to
 itself runs and which distopt calls from TorchScript functions (``distopt.clipping``), where
 a Python wrapper cannot be called.
 """
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -83,12 +84,13 @@ def init_optimizer_internals(optimizer: torch.optim.Optimizer) -> None:
     ``Optimizer.__init__`` refuses, while its step hooks, state_dict hooks and lr
     schedulers read these fields (and ``step`` must be wrapped as torch wraps it).
     """
-    optimizer._optimizer_step_pre_hooks = {}
-    optimizer._optimizer_step_post_hooks = {}
-    optimizer._optimizer_state_dict_pre_hooks = {}
-    optimizer._optimizer_state_dict_post_hooks = {}
-    optimizer._optimizer_load_state_dict_pre_hooks = {}
-    optimizer._optimizer_load_state_dict_post_hooks = {}
+    # OrderedDicts, as torch's: a hook's RemovableHandle keeps a weak reference to its dict.
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
     optimizer._patch_step_function()
     # No capturable (CUDA graph) state here: torch's warning about it does not apply.
     optimizer._warned_capturable_if_run_uncaptured = True

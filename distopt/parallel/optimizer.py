@@ -12,7 +12,7 @@ once every bucket has arrived.
 import contextlib
 import logging
 import math
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from distopt import _torch
 from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.local_optimizer import CompiledLocalOptimizer
 from distopt.param_groups import as_keywords, pending_changes, snapshot
+from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel.buckets import Bucket, assign_buckets
 from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.reducer import GradientReducer
@@ -94,6 +95,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     ) -> None:
         eager = optimizer_class not in functional_optim_map or not _torch.jit_enabled()
         check_optimizer_class(optimizer_class, eager)
+        if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.SparseAdam):
+            raise TypeError(
+                f"Invalid optimizer_class: {optimizer_class.__name__} steps only sparse "
+                f"gradients (expected a class for dense ones: DataParallelOptimizer reduces "
+                f"dense buckets)"
+            )
         _check_options(bucket_cap_mb, compression, backward_passes_per_step, sync, overlap)
         group, rank, world_size = _group_info(process_group)
         groups = _param_groups(params)
@@ -389,6 +396,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._checked_loader(state_dict)()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
+        """Check ``state_dict`` against this optimizer; return what loads it (no check left
+        to fail but the eager optimizer's own)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or (
             "param_groups" not in state_dict
         ):
@@ -411,22 +425,31 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 )
             saved_ids.extend(saved["params"])
         residuals = self._check_residuals(state_dict, saved_ids)
+        rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
         if self._eager is not None:
-            inner = {"state": state_dict["state"], "param_groups": saved_groups}
-            self._eager.load_state_dict(inner)
-            self.param_groups = self._eager.param_groups
-            self.state = self._eager.state
-        else:
-            position = {saved: i for i, saved in enumerate(saved_ids)}
-            state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
-            for j, saved in enumerate(saved_groups):
-                for key in self._hyper_keys:
-                    if key in saved:
-                        check_hyperparameter(
-                            self.optimizer_class, key, saved[key], f"state_dict param group {j}"
-                        )
+            def load_eager() -> None:
+                self._eager.load_state_dict(
+                    {"state": state_dict["state"], "param_groups": saved_groups}
+                )
+                self.param_groups = self._eager.param_groups
+                self.state = self._eager.state
+                self._load_extras(residuals, rounds)
+            return load_eager
+        position = {saved: i for i, saved in enumerate(saved_ids)}
+        state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+        for j, saved in enumerate(saved_groups):
+            for key in self._hyper_keys:
+                if key in saved:
+                    check_hyperparameter(
+                        self.optimizer_class, key, saved[key], f"state_dict param group {j}"
+                    )
+        if self._local is not None:
+            self._local.check_torch_state(state)
+
+        def load_compiled() -> None:
             if self._local is not None:
-                self._local.check_torch_state(state)
                 unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
                 hyper = [
                     {k: v for k, v in saved_groups[unit_group[u]].items() if k != "params"}
@@ -438,14 +461,45 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._sent = [
                 {k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups
             ]
+            self._load_extras(residuals, rounds)
+        return load_compiled
+
+    def _load_extras(self, residuals: Dict[int, Tensor], rounds: int) -> None:
         for b in self._buckets:
             for i, p, o in zip(b.positions, b.params, _offsets(b)):
                 if i in residuals:
                     b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
-        if self.sync is not None and "sync" in state_dict:
-            self._round = int(state_dict["sync"]["round"])
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        self._round = rounds
+
+    def save(self, path: str) -> Dict[str, Any]:
+        """Write a checkpoint into the directory ``path``; every rank calls it.
+
+        The first rank writes the optimizer state once (it is the same on every rank; with
+        ``RoundRobin`` each rank writes its own), each rank its error-feedback residuals,
+        then the first rank the manifest (``distopt.checkpoint.write_atomic``: temporary
+        file, fsync, rename). Until the new manifest is in place the previous checkpoint is
+        intact. ``path`` must be on a filesystem every rank shares.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            RuntimeError: some rank could not write (on every rank; nothing of this save is
+                left behind).
+        """
+        return _checkpoint.save(self, path)
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by ``save``; every rank calls it.
+
+        Every rank reads and checks its part first; only when all have accepted does any
+        change (one collective decides).
+
+        Raises:
+            ValueError: the manifest is not one of this optimizer's (class, world size),
+                or some rank's part does not fit (on every rank, naming the rank).
+        """
+        _checkpoint.load(self, path)
 
     def _check_residuals(self, state_dict: Dict[str, Any], saved_ids: List[Any]) -> Dict[int, Tensor]:
         if not self._codec.error_feedback:

@@ -1,0 +1,165 @@
+"""Checkpoints of a DataParallelOptimizer: the replicated state once, residuals per rank.
+
+A checkpoint is a directory (on a filesystem every rank shares)::
+
+    manifest.json                       written last, by the first rank: class, world size,
+                                        generation, and the files of this save
+    dp-<generation>-state-rank<r>.pt    torch.optim's state_dict (r = 0 only, unless the
+                                        state differs per rank: RoundRobin)
+    dp-<generation>-residuals-rank<r>.pt  each rank's error-feedback residuals, if any
+
+Files are written with ``distopt.checkpoint.write_atomic`` (temporary name, fsync, rename)
+under a new generation id; the manifest, renamed last, names them, so a failed save leaves
+the previous checkpoint loadable, and files of other generations are removed only after
+the new manifest is in place. Every rank reports whether its writes succeeded through one
+all_reduce before the manifest is written, and on load whether its part was accepted
+before any rank changes anything.
+"""
+import contextlib
+import json
+import logging
+import os
+import uuid
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from distopt.checkpoint import write_atomic
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "distopt.data_parallel"
+VERSION = 1
+
+__all__ = ["FORMAT", "MANIFEST", "load", "save"]
+
+
+def _agree(ok: bool, opt: Any) -> bool:
+    """Whether every rank's ``ok`` is True (one all_reduce)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
+    return bool(flag.item())
+
+
+def _first_rank(opt: Any) -> int:
+    group = opt.process_group
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def save(opt: Any, path: str) -> Dict[str, Any]:
+    path = os.path.abspath(path)
+    box = [uuid.uuid4().hex[:16] if opt.rank == 0 else None]
+    dist.broadcast_object_list(box, src=_first_rank(opt), group=opt.process_group)
+    generation = box[0]
+    per_rank = opt.sync is not None
+    written = []
+    error = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        sd = opt.state_dict()
+        residuals = sd.pop("residuals", None)
+        if per_rank or opt.rank == 0:
+            name = f"dp-{generation}-state-rank{opt.rank}.pt"
+            write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
+            written.append(name)
+        if residuals is not None:
+            name = f"dp-{generation}-residuals-rank{opt.rank}.pt"
+            write_atomic(os.path.join(path, name), lambda f: torch.save(residuals, f))
+            written.append(name)
+    except Exception as exc:  # reported on every rank below
+        error = exc
+    if not _agree(error is None, opt):
+        _remove(path, written)
+        raise RuntimeError(
+            f"Invalid save to {path!r}: rank {opt.rank} "
+            f"{'failed: ' + repr(error) if error else 'succeeded but another rank failed'}"
+        ) from error
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "generation": generation,
+        "optimizer_class": opt.optimizer_class.__name__,
+        "world_size": opt.world_size,
+        "state_per_rank": per_rank,
+        "residuals": opt._codec.error_feedback,
+    }
+    error = None
+    if opt.rank == 0:
+        try:
+            data = json.dumps(manifest, indent=1).encode()
+            write_atomic(os.path.join(path, MANIFEST), lambda f: _write_bytes(f, data))
+        except Exception as exc:  # reported on every rank below
+            error = exc
+    if not _agree(error is None, opt):
+        _remove(path, written)
+        raise RuntimeError(f"Invalid save to {path!r}: the manifest was not written: {error!r}")
+    # Each rank removes its own files of older generations (and rank 0 the shared state).
+    for name in os.listdir(path):
+        if name.startswith("dp-") and f"-{generation}-" not in name and (
+            name.endswith(f"-rank{opt.rank}.pt")
+        ):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, name))
+    _agree(True, opt)  # every rank's old files are gone when save returns
+    logger.info("rank %d: saved generation %s to %s", opt.rank, generation, path)
+    return manifest
+
+
+def load(opt: Any, path: str) -> None:
+    path = os.path.abspath(path)
+    loader = None
+    error = None
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: format {manifest.get('format')!r} (expected "
+                f"{FORMAT!r}, written by DataParallelOptimizer.save)"
+            )
+        if manifest["optimizer_class"] != opt.optimizer_class.__name__:
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: optimizer_class {manifest['optimizer_class']!r} "
+                f"(expected {opt.optimizer_class.__name__!r})"
+            )
+        if manifest["world_size"] != opt.world_size and (
+            manifest["state_per_rank"] or manifest["residuals"]
+        ):
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: world_size {manifest['world_size']} (expected "
+                f"{opt.world_size}: its state or residuals are per rank)"
+            )
+        generation = manifest["generation"]
+        source = opt.rank if manifest["state_per_rank"] else 0
+        sd = torch.load(
+            os.path.join(path, f"dp-{generation}-state-rank{source}.pt"), weights_only=True
+        )
+        if manifest["residuals"] and opt._codec.error_feedback:
+            sd["residuals"] = torch.load(
+                os.path.join(path, f"dp-{generation}-residuals-rank{opt.rank}.pt"),
+                weights_only=True,
+            )
+        loader = opt._checked_loader(sd)
+    except Exception as exc:  # reported on every rank below
+        error = exc
+    if not _agree(error is None, opt):
+        if error is not None:
+            raise ValueError(f"Invalid checkpoint on rank {opt.rank}: {error}") from error
+        raise ValueError(
+            f"Invalid checkpoint {path!r}: another rank refused its part (nothing changed)"
+        )
+    loader()
+    logger.info("rank %d: loaded %s", opt.rank, path)
+
+
+def _write_bytes(name: str, data: bytes) -> None:
+    with open(name, "wb") as f:
+        f.write(data)
+
+
+def _remove(path: str, names: Any) -> None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(path, name))

@@ -1,0 +1,676 @@
+"""Rank-side scenarios for the feature tests (bytes, compression, accumulation, failures,
+state, clipping, RoundRobin, checkpoints, subgroups). Each returns plain data; see
+``tests.parallel.ranks`` for the shared model and data."""
+import math
+import os
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, Threshold, TopK
+from distopt.parallel import compression as compression_module
+from distopt.parallel.compression import dense_reduction
+from distopt.parallel.sync import partition
+from tests.parallel.ranks import SMALL_BUCKETS_MB, data, flat_params, loss_of, make_model
+
+
+def wchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+# ---------------------------------------------------------------- bytes per step
+
+
+def bytes_per_step(rank: int, world_size: int) -> Dict[str, Any]:
+    """Measured (wchar) and modelled payload bytes of one training step per configuration."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 1000)
+    out: Dict[str, Any] = {}
+    configs = {
+        "plain": {},
+        "fp16": {"compression": Cast(torch.float16)},
+        "bf16": {"compression": Cast(torch.bfloat16)},
+        "topk": {"compression": TopK(0.01)},
+        "roundrobin": {"sync": RoundRobin(2)},
+    }
+    for name, options in configs.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 1000))
+        opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-3,
+                                    bucket_cap_mb=3.0, **options)
+        measured, modelled = [], []
+        for step in range(6):
+            dist.barrier()
+            before = wchar()
+            model(x).square().mean().backward()
+            opt.step()
+            after = wchar()
+            opt.zero_grad()
+            if step == 0:
+                continue  # the first step creates the state (RoundRobin averages it too)
+            measured.append(after - before)
+            if name == "roundrobin":
+                members = opt._partitions[(opt._round - 1) % 2]
+                numel = sum(opt._trained[m].numel() for m in members)
+                # Parameter + exp_avg + exp_avg_sq, one all_reduce.
+                modelled.append(2.0 * (world_size - 1) / world_size * numel * 3 * 4)
+            else:
+                codec = opt.compression or dense_reduction()
+                modelled.append(codec.bytes_per_step(
+                    [(b.numel, len(b.params)) for b in opt._buckets], torch.float32, world_size
+                ))
+        out[name] = {"measured": measured, "modelled": modelled, "buckets": len(opt._buckets)}
+        opt.close()
+    return out
+
+
+# ---------------------------------------------------------------- compression
+
+
+def error_feedback(rank: int, world_size: int, scheme: str, overlap: bool) -> Dict[str, Any]:
+    """Residual + everything sent == the sum of this rank's gradients, per parameter."""
+    model = make_model()
+    params = list(model.parameters())
+    compression = TopK(0.1) if scheme == "topk" else Threshold(0.02)
+    opt = DataParallelOptimizer(torch.optim.SGD, params, lr=0.05, compression=compression,
+                                bucket_cap_mb=SMALL_BUCKETS_MB, overlap=overlap)
+    sent = {b.index: torch.zeros(b.numel) for b in opt._buckets}
+    counts = []
+
+    def record(index, indices, values):
+        sent[index].index_add_(0, indices, values)
+        counts.append(indices.numel())
+
+    compression_module.sent_hook = record
+    x, y = data(8 * world_size, seed=3)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    total = [torch.zeros_like(p) for p in params]
+    try:
+        for step in range(8):
+            b = slice(step % 4, None, 1)
+            loss = loss_of(model, xs[b], ys[b])
+            grads = torch.autograd.grad(loss, params, retain_graph=True)
+            total = [t + g for t, g in zip(total, grads)]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        compression_module.sent_hook = None
+    residuals = opt.state_dict()["residuals"]
+    index = {id(p): i for i, p in enumerate(params)}
+    worst = 0.0
+    for bucket in opt._buckets:
+        offset = 0
+        for p in bucket.params:
+            i = index[id(p)]
+            part = sent[bucket.index][offset:offset + p.numel()].view(p.shape)
+            worst = max(worst, float((residuals[i] + part - total[i]).abs().max()))
+            offset += p.numel()
+    scale = max(float(t.abs().max()) for t in total)
+    return {"worst": worst, "scale": scale, "counts": counts,
+            "residual_norm": float(sum(r.norm() for r in residuals.values()))}
+
+
+def topk_convergence(rank: int, world_size: int, steps: int) -> Dict[str, float]:
+    """Final whole-data loss of dense and TopK(0.01)-with-error-feedback runs."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1024, 32, generator=g)
+    w = torch.randn(32, 1, generator=g) / 4
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(1024, 1, generator=g)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    out = {}
+    for name, compression in (("dense", None), ("topk", TopK(0.01))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 1))
+        opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
+                                    compression=compression)
+        for _ in range(steps):
+            loss_of(model, xs, ys).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out[name] = float(loss_of(model, x, y))
+        opt.close()
+    return out
+
+
+def cast_exact(rank: int, world_size: int, dtype_name: str) -> Dict[str, Any]:
+    """Cast: the averaged gradient equals each rank's gradient divided, cast and summed."""
+    dtype = getattr(torch, dtype_name)
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.0,
+                                compression=Cast(dtype), bucket_cap_mb=SMALL_BUCKETS_MB)
+    x, y = data(4 * world_size)
+    # Scaled so that a float16 sum of the undivided gradients would overflow.
+    loss = loss_of(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]) * 4e4
+    local = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    loss.backward()
+    opt.step()
+    return {"local": [g.clone() for g in local],
+            "reduced": [p.grad.clone() for p in model.parameters()]}
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+def accumulation(rank: int, world_size: int) -> Dict[str, Any]:
+    """backward_passes_per_step=3, no_sync, and a step after fewer passes."""
+    x, y = data(6 * world_size * 4, seed=7)
+    micro = list(zip(x.chunk(6 * world_size * 4), y.chunk(6 * world_size * 4)))
+    out: Dict[str, Any] = {}
+
+    def batches(step: int, passes: int):
+        # Step s, rank r, pass n -> micro-batch; one process sees them all.
+        return [micro[(step * world_size + rank) * 3 + n] for n in range(passes)]
+
+    for name in ("passes", "no_sync", "short"):
+        model = make_model()
+        n = 3 if name != "no_sync" else 1
+        opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2,
+                                    backward_passes_per_step=n, bucket_cap_mb=SMALL_BUCKETS_MB)
+        for step in range(4):
+            passes = 2 if name == "short" and step % 2 else 3
+            mbs = batches(step, passes)
+            for k, (xb, yb) in enumerate(mbs):
+                if name == "no_sync" and k < passes - 1:
+                    with opt.no_sync():
+                        (loss_of(model, xb, yb) / 3).backward()
+                else:
+                    (loss_of(model, xb, yb) / 3).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = flat_params(model)
+        opt.close()
+        if rank == 0:
+            ref = make_model()
+            ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+            for step in range(4):
+                passes = 2 if name == "short" and step % 2 else 3
+                for r in range(world_size):
+                    for k in range(passes):
+                        xb, yb = micro[(step * world_size + r) * 3 + k]
+                        (loss_of(ref, xb, yb) / 3 / world_size).backward()
+                ropt.step()
+                ropt.zero_grad()
+            out[name + "_reference"] = flat_params(ref)
+    return out
+
+
+def extra_pass(rank: int, world_size: int) -> str:
+    """A backward pass after the reduction and before step() raises, naming the fix."""
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    x, y = data(4)
+    loss_of(model, x, y).backward()
+    try:
+        loss_of(model, x, y).backward()
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        message = ""
+    opt.step()
+    return message
+
+
+# ---------------------------------------------------------------- unused parameters
+
+
+def unused_parameters(rank: int, world_size: int) -> Dict[str, Any]:
+    """A layer only rank 0 uses and one no rank uses."""
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(6, 4)
+    only_rank0 = torch.nn.Linear(4, 1)
+    never = torch.nn.Linear(4, 1)
+    head = torch.nn.Linear(4, 1)
+    params = [*trunk.parameters(), *only_rank0.parameters(), *never.parameters(),
+              *head.parameters()]
+    start_never = [p.detach().clone() for p in never.parameters()]
+    opt = DataParallelOptimizer(torch.optim.Adam, params, lr=1e-2, weight_decay=0.1,
+                                bucket_cap_mb=SMALL_BUCKETS_MB)
+    x, y = data(8, seed=2)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+    def loss_for(r, xb, yb):
+        h = torch.tanh(trunk(xb))
+        out = head(h) + (only_rank0(h) if r == 0 else 0)
+        return ((out - yb) ** 2).mean()
+
+    for _ in range(5):
+        loss_for(rank, xs, ys).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    result = {
+        "never_equal": all(torch.equal(a, b) for a, b in zip(start_never, never.parameters())),
+        "never_grad_none": all(p.grad is None for p in never.parameters()),
+        "params": torch.cat([p.detach().reshape(-1) for p in params]),
+    }
+    if rank == 0:
+        torch.manual_seed(0)
+        r_trunk, r_only, r_never, r_head = (torch.nn.Linear(6, 4), torch.nn.Linear(4, 1),
+                                            torch.nn.Linear(4, 1), torch.nn.Linear(4, 1))
+        r_params = [*r_trunk.parameters(), *r_only.parameters(), *r_never.parameters(),
+                    *r_head.parameters()]
+        ropt = torch.optim.Adam(r_params, lr=1e-2, weight_decay=0.1)
+        for _ in range(5):
+            for r in range(world_size):
+                h = torch.tanh(r_trunk(x.chunk(world_size)[r]))
+                out = r_head(h) + (r_only(h) if r == 0 else 0)
+                (((out - y.chunk(world_size)[r]) ** 2).mean() / world_size).backward()
+            ropt.step()
+            ropt.zero_grad()
+        result["reference"] = torch.cat([p.detach().reshape(-1) for p in r_params])
+    return result
+
+
+# ---------------------------------------------------------------- failures
+
+
+class _RaiseOnRank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, should_raise):
+        ctx.should_raise = should_raise
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.should_raise:
+            raise ValueError("injected failure in backward")
+        return grad, None
+
+
+def raise_in_backward(rank: int, world_size: int, done: Any) -> Dict[str, Any]:
+    """Rank 1 raises inside backward at step 2 and stays alive; the others' step fails."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 1))
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
+                                bucket_cap_mb=SMALL_BUCKETS_MB)
+    x, y = data(8)
+    started = time.monotonic()
+    try:
+        for step in range(4):
+            h = model[0](x)
+            h = _RaiseOnRank.apply(h, rank == 1 and step == 2)
+            loss = ((model[2](model[1](h)) - y) ** 2).mean()
+            started = time.monotonic()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:  # what the user sees
+        result = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    else:
+        result = {"error": "", "seconds": time.monotonic() - started}
+    if rank == 1:
+        done.wait(120)  # alive, silent, until the other ranks have reported
+    else:
+        done.set()
+    return result
+
+
+def dies(rank: int, world_size: int) -> Dict[str, Any]:
+    """Rank 1 exits at step 2; rank 0's step fails naming itself and the bucket."""
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2,
+                                bucket_cap_mb=SMALL_BUCKETS_MB)
+    x, y = data(8)
+    started = time.monotonic()
+    try:
+        for step in range(4):
+            if rank == 1 and step == 2:
+                os._exit(3)
+            started = time.monotonic()
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:
+        first = f"{type(exc).__name__}: {exc}"
+        try:
+            opt.step()
+        except Exception as again:
+            second = f"{type(again).__name__}: {again}"
+        return {"error": first, "again": second, "seconds": time.monotonic() - started}
+    return {"error": "", "seconds": 0.0}
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
+    """Each bad argument's exception, and the collectives issued while raising it (none)."""
+    issued = []
+    for name in ("broadcast", "all_reduce", "all_gather_into_tensor", "broadcast_object_list"):
+        real = getattr(dist, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            issued.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    model = make_model()
+    params = list(model.parameters())
+    pair = dist.new_group([0, 1]) if world_size > 2 else None
+    cases = {
+        "class_int": lambda: DataParallelOptimizer(int, params),
+        "lbfgs": lambda: DataParallelOptimizer(torch.optim.LBFGS, params),
+        "sparse_adam": lambda: DataParallelOptimizer(torch.optim.SparseAdam, params),
+        "cap_zero": lambda: DataParallelOptimizer(torch.optim.SGD, params, bucket_cap_mb=0),
+        "cap_nan": lambda: DataParallelOptimizer(torch.optim.SGD, params,
+                                                 bucket_cap_mb=float("nan")),
+        "cap_str": lambda: DataParallelOptimizer(torch.optim.SGD, params, bucket_cap_mb="25"),
+        "compression_str": lambda: DataParallelOptimizer(torch.optim.SGD, params,
+                                                         compression="topk"),
+        "topk_zero": lambda: TopK(0.0),
+        "topk_big": lambda: TopK(1.5),
+        "topk_str": lambda: TopK("0.1"),
+        "topk_feedback": lambda: TopK(0.1, error_feedback=1),
+        "threshold_negative": lambda: Threshold(-1.0),
+        "threshold_inf": lambda: Threshold(float("inf")),
+        "cast_float64": lambda: Cast(torch.float64),
+        "k_zero": lambda: RoundRobin(0),
+        "k_float": lambda: RoundRobin(1.5),
+        "passes_zero": lambda: DataParallelOptimizer(torch.optim.SGD, params,
+                                                     backward_passes_per_step=0),
+        "passes_bool": lambda: DataParallelOptimizer(torch.optim.SGD, params,
+                                                     backward_passes_per_step=True),
+        "sync_str": lambda: DataParallelOptimizer(torch.optim.SGD, params, sync="roundrobin"),
+        "sync_and_compression": lambda: DataParallelOptimizer(
+            torch.optim.SGD, params, sync=RoundRobin(2), compression=TopK(0.1)),
+        "overlap_str": lambda: DataParallelOptimizer(torch.optim.SGD, params, overlap="yes"),
+        "group_str": lambda: DataParallelOptimizer(torch.optim.SGD, params, process_group="g"),
+        "no_params": lambda: DataParallelOptimizer(torch.optim.SGD, []),
+        "tensor_params": lambda: DataParallelOptimizer(torch.optim.SGD, params[0]),
+        "lr_negative": lambda: DataParallelOptimizer(torch.optim.SGD, params, lr=-1.0),
+        "unknown_kwarg": lambda: DataParallelOptimizer(torch.optim.Adam, params, bogus=1),
+        "lr_kind": lambda: DataParallelOptimizer(torch.optim.Adam, params, lr="fast"),
+        "not_member": lambda: DataParallelOptimizer(torch.optim.SGD, params, process_group=pair),
+        "cast_int_params": lambda: DataParallelOptimizer(
+            torch.optim.SGD, [torch.zeros(3, dtype=torch.float64, requires_grad=True)],
+            compression=Cast(torch.float16), lr=0.1),
+    }
+    out = {}
+    for name, make in cases.items():
+        if name == "not_member" and (pair is None or rank < 2):
+            continue
+        if name == "cast_int_params":
+            continue  # a float64 bucket is castable: no error expected (kept as a check below)
+        before = len(issued)
+        try:
+            make()
+        except (TypeError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "no error"
+        if len(issued) != before:
+            out[name] += f" (issued {issued[before:]})"
+    # A sparse gradient with compression: ValueError from backward, before any collective.
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = DataParallelOptimizer(torch.optim.SGD, emb.parameters(), lr=0.1, compression=TopK(0.5))
+    before = len(issued)
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+    except ValueError as exc:
+        out["sparse_gradient"] = f"ValueError: {exc}"
+    else:
+        out["sparse_gradient"] = "no error"
+    if len(issued) != before:
+        out["sparse_gradient"] += f" (issued {issued[before:]})"
+    return out
+
+
+# ---------------------------------------------------------------- torch.optim integration
+
+
+def integration(rank: int, world_size: int) -> Dict[str, Any]:
+    """lr schedulers, HyperparameterScheduler, step hooks, state_dict both ways."""
+    from distopt.schedule import HyperparameterScheduler
+
+    x, y = data(4 * world_size, seed=11)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    out: Dict[str, Any] = {}
+
+    def train(opt, model, scheds, steps, batch_x, batch_y, scale=1.0):
+        for _ in range(steps):
+            (loss_of(model, batch_x, batch_y) * scale).backward()
+            opt.step()
+            opt.zero_grad()
+            for s in scheds:
+                s.step()
+
+    # 1. OneCycleLR cycling SGD's momentum + weight_decay scheduled by HyperparameterScheduler.
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9,
+                                weight_decay=1e-2, bucket_cap_mb=SMALL_BUCKETS_MB)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=12),
+              HyperparameterScheduler(opt, "weight_decay", lambda e: 0.8 ** e)]
+    train(opt, model, scheds, 10, xs, ys)
+    out["schedules"] = flat_params(model)
+    out["hooks"] = calls
+    out["momentum"] = opt.param_groups[0]["momentum"]
+    if rank == 0:
+        ref = make_model()
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+        rs = [torch.optim.lr_scheduler.OneCycleLR(ropt, max_lr=0.1, total_steps=12),
+              HyperparameterScheduler(ropt, "weight_decay", lambda e: 0.8 ** e)]
+        train(ropt, ref, rs, 10, x, y)
+        out["schedules_reference"] = flat_params(ref)
+        out["momentum_reference"] = ropt.param_groups[0]["momentum"]
+
+    # 2. state_dict: DataParallelOptimizer -> torch.optim -> DataParallelOptimizer.
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2, amsgrad=True,
+                                bucket_cap_mb=SMALL_BUCKETS_MB)
+    train(opt, model, [], 3, xs, ys)
+    sd = opt.state_dict()
+    out["state_keys"] = sorted(sd["state"][0])
+    local = make_model()
+    with torch.no_grad():
+        for p, q in zip(local.parameters(), model.parameters()):
+            p.copy_(q)
+    lopt = torch.optim.Adam(local.parameters(), lr=1e-2, amsgrad=True)
+    lopt.load_state_dict(sd)
+    train(lopt, local, [], 3, x, y)
+    train(opt, model, [], 3, xs, ys)
+    out["continued"] = flat_params(model)
+    out["continued_reference"] = flat_params(local)
+    fresh_model = make_model(seed=9)
+    with torch.no_grad():
+        for p, q in zip(fresh_model.parameters(), local.parameters()):
+            p.copy_(q)
+    fresh = DataParallelOptimizer(torch.optim.Adam, fresh_model.parameters(), lr=1e-2,
+                                  amsgrad=True, bucket_cap_mb=SMALL_BUCKETS_MB)
+    fresh.load_state_dict(lopt.state_dict())
+    train(fresh, fresh_model, [], 2, xs, ys)
+    train(lopt, local, [], 2, x, y)
+    out["loaded"] = flat_params(fresh_model)
+    out["loaded_reference"] = flat_params(local)
+    # A state_dict of the wrong shape changes nothing.
+    bad = lopt.state_dict()
+    bad["state"][0]["exp_avg"] = torch.zeros(3)
+    before = fresh.state_dict()
+    try:
+        fresh.load_state_dict(bad)
+    except ValueError as exc:
+        out["bad_state"] = str(exc)
+    after = fresh.state_dict()
+    out["bad_state_unchanged"] = all(
+        torch.equal(before["state"][i][k], after["state"][i][k])
+        for i in before["state"] for k in before["state"][i]
+    )
+    try:
+        opt.param_groups[0]["amsgrad"] = False
+        loss_of(model, xs, ys).backward()
+    except ValueError as exc:
+        out["fixed_key"] = str(exc)
+    return out
+
+
+def clipping(rank: int, world_size: int) -> Dict[str, Any]:
+    """clip_grad_norm_ on the averaged gradients (overlap=False), refused with overlap."""
+    x, y = data(4 * world_size, seed=4)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9,
+                                overlap=False, bucket_cap_mb=SMALL_BUCKETS_MB)
+    norms = []
+    for _ in range(5):
+        loss_of(model, xs, ys).backward()
+        norms.append(float(opt.clip_grad_norm_(0.05)))
+        opt.step()
+        opt.zero_grad()
+    out: Dict[str, Any] = {"params": flat_params(model), "norms": norms}
+    if rank == 0:
+        ref = make_model()
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        rnorms = []
+        for _ in range(5):
+            loss_of(ref, x, y).backward()
+            rnorms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+            ropt.step()
+            ropt.zero_grad()
+        out["reference"] = flat_params(ref)
+        out["reference_norms"] = rnorms
+    overlapped = DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1)
+    try:
+        overlapped.clip_grad_norm_(1.0)
+    except RuntimeError as exc:
+        out["overlap_error"] = str(exc)
+    # RoundRobin: the norm of every rank's gradients together, the same on each rank.
+    model = make_model()
+    rr = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, sync=RoundRobin(2))
+    loss_of(model, xs, ys).backward()
+    local = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    out["rr_norm"] = float(rr.clip_grad_norm_(1e-3))
+    out["rr_local"] = local
+    return out
+
+
+# ---------------------------------------------------------------- RoundRobin
+
+
+def round_robin(rank: int, world_size: int, k: int) -> Dict[str, Any]:
+    """Local Adam steps, one partition averaged per step; rank 0 simulates every rank."""
+    x, y = data(4 * world_size, seed=6)
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2,
+                                sync=RoundRobin(k))
+    synced_equal = []
+    for step in range(6):
+        loss_of(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        synced_equal.append([m for m in opt._partitions[step % k]])
+    out: Dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()],
+                           "partitions": opt._partitions, "round": opt.state_dict()["sync"]}
+    if rank == 0:
+        sims = [make_model() for _ in range(world_size)]
+        opts = [torch.optim.Adam(s.parameters(), lr=1e-2) for s in sims]
+        parts = partition(list(sims[0].parameters()), k)
+        for step in range(6):
+            for r, (s, o) in enumerate(zip(sims, opts)):
+                loss_of(s, x.chunk(world_size)[r], y.chunk(world_size)[r]).backward()
+                o.step()
+                o.zero_grad()
+            with torch.no_grad():
+                for m in parts[step % k]:
+                    ps = [list(s.parameters())[m] for s in sims]
+                    mean = sum(p / world_size for p in ps)
+                    for p in ps:
+                        p.copy_(mean)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        ts = [o.state[p][key] for o, p in zip(opts, ps)]
+                        mean = sum(t / world_size for t in ts)
+                        for t in ts:
+                            t.copy_(mean)
+        out["reference"] = [[p.detach().clone() for p in s.parameters()] for s in sims]
+    return out
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+    """save / load with TopK residuals: a resumed run equals the uninterrupted one."""
+    x, y = data(4 * world_size, seed=8)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+    def build(model):
+        return DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2,
+                                     compression=TopK(0.2), bucket_cap_mb=SMALL_BUCKETS_MB)
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            loss_of(model, xs, ys).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = make_model()
+    opt = build(model)
+    train(model, opt, 3)
+    opt.save(path)
+    saved = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 3)
+    out: Dict[str, Any] = {"uninterrupted": flat_params(model), "files": sorted(os.listdir(path))}
+    resumed_model = make_model(seed=5)
+    with torch.no_grad():
+        for p, q in zip(resumed_model.parameters(), saved):
+            p.copy_(q)
+    resumed = build(resumed_model)
+    resumed.load(path)
+    train(resumed_model, resumed, 3)
+    out["resumed"] = flat_params(resumed_model)
+    # A second save replaces the first; a manifest of another class is refused everywhere.
+    opt.save(path)
+    out["files_after_second_save"] = sorted(os.listdir(path))
+    other = DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1)
+    try:
+        other.load(path)
+    except ValueError as exc:
+        out["other_class"] = str(exc)
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            f.write("{not json")
+    dist.barrier()
+    try:
+        resumed.load(path)
+    except ValueError as exc:
+        out["corrupt"] = str(exc)
+    return out
+
+
+# ---------------------------------------------------------------- subgroups
+
+
+def subgroups(rank: int, world_size: int) -> Dict[str, Any]:
+    """Ranks {0, 1} and {2, 3} train apart on different data, each in its own group."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    x, y = data(8, seed=20 + rank // 2)
+    xs, ys = x.chunk(2)[rank % 2], y.chunk(2)[rank % 2]
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2,
+                                process_group=mine, bucket_cap_mb=SMALL_BUCKETS_MB)
+    for _ in range(5):
+        loss_of(model, xs, ys).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"params": flat_params(model), "group_rank": opt.rank, "group_size": opt.world_size}
+    if rank % 2 == 0:
+        ref = make_model()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for _ in range(5):
+            loss_of(ref, x, y).backward()
+            ropt.step()
+            ropt.zero_grad()
+        out["reference"] = flat_params(ref)
+    return out

@@ -1,0 +1,252 @@
+"""DataParallelOptimizer's features, each in real gloo worlds on 127.0.0.1.
+
+Bytes are measured as the change of ``wchar`` in /proc/self/io over one training step and
+compared with each scheme's model (payload only: gloo's headers, about 580 bytes per
+collective, stay under 1% at these sizes).
+"""
+import multiprocessing
+
+import pytest
+import torch
+
+from tests.parallel import scenarios
+from tests.parallel.world import run_world
+
+
+def _close(a, b, tol=1e-5):
+    return float((a - b).abs().max()) <= tol + tol * float(b.abs().max())
+
+
+# ---------------------------------------------------------------- bytes
+
+
+@pytest.fixture(scope="module")
+def sent_bytes():
+    return run_world(scenarios.bytes_per_step, 2)
+
+
+@pytest.mark.parametrize("name", ["plain", "fp16", "bf16", "topk", "roundrobin"])
+def test_bytes_per_step_match_the_model(sent_bytes, name):
+    for rank in range(2):
+        result = sent_bytes[rank][name]
+        assert len(result["measured"]) == 5
+        for measured, modelled in zip(result["measured"], result["modelled"]):
+            assert abs(measured - modelled) <= 0.01 * modelled, (name, measured, modelled)
+
+
+def test_compressed_steps_send_less(sent_bytes):
+    plain = sent_bytes[0]["plain"]["measured"][0]
+    assert sent_bytes[0]["plain"]["buckets"] >= 2
+    assert sent_bytes[0]["fp16"]["measured"][0] < 0.51 * plain
+    assert sent_bytes[0]["topk"]["measured"][0] < 0.03 * plain
+    # RoundRobin(2) with Adam: each parameter and its two state tensors once per 2 steps.
+    assert sum(sent_bytes[0]["roundrobin"]["measured"][:2]) == pytest.approx(3 * plain, rel=0.01)
+
+
+# ---------------------------------------------------------------- compression
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("scheme", ["topk", "threshold"])
+def test_error_feedback_keeps_everything_not_sent(scheme, overlap):
+    for result in run_world(scenarios.error_feedback, 2, scheme, overlap):
+        assert result["worst"] <= 1e-6 * result["scale"]
+        assert result["residual_norm"] > 0  # something was held back
+        assert len(set(result["counts"])) >= (2 if scheme == "threshold" else 1)
+
+
+def test_topk_one_percent_reaches_the_dense_loss():
+    result = run_world(scenarios.topk_convergence, 2, 800)[0]
+    assert result["topk"] <= 1.05 * result["dense"], result
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cast_divides_before_the_reduction(dtype):
+    results = run_world(scenarios.cast_exact, 2, dtype)
+    wire = getattr(torch, dtype)
+    for k in range(len(results[0]["local"])):
+        expected = sum((r["local"][k] / 2).to(wire) for r in results).float()
+        assert torch.isfinite(expected).all()
+        for r in results:
+            assert torch.equal(r["reduced"][k], expected)
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+@pytest.fixture(scope="module")
+def accumulated():
+    return run_world(scenarios.accumulation, 2)
+
+
+@pytest.mark.parametrize("name", ["passes", "no_sync", "short"])
+def test_accumulation_equals_one_process_on_every_micro_batch(accumulated, name):
+    assert torch.equal(accumulated[0][name], accumulated[1][name])
+    assert _close(accumulated[0][name], accumulated[0][name + "_reference"])
+
+
+def test_no_sync_equals_backward_passes_per_step(accumulated):
+    assert torch.equal(accumulated[0]["passes"], accumulated[0]["no_sync"])
+
+
+def test_a_pass_after_the_reduction_raises():
+    for message in run_world(scenarios.extra_pass, 2):
+        assert "backward_passes_per_step" in message and "no_sync" in message
+
+
+def test_unused_parameters_are_left_alone():
+    results = run_world(scenarios.unused_parameters, 2)
+    for r in results:
+        assert r["never_equal"] and r["never_grad_none"]
+    assert torch.equal(results[0]["params"], results[1]["params"])
+    assert _close(results[0]["params"], results[0]["reference"])
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_a_rank_raising_in_backward_fails_the_others_not_hangs():
+    done = multiprocessing.get_context("spawn").Event()
+    results = run_world(scenarios.raise_in_backward, 2, done, timeout_s=5.0)
+    assert "injected failure" in results[1]["error"]
+    assert "rank 0 of 2" in results[0]["error"] and "bucket" in results[0]["error"]
+    assert results[0]["seconds"] < 5.0 + 10.0
+
+
+def test_a_dead_rank_fails_the_others_with_a_clear_error():
+    results = run_world(scenarios.dies, 2, timeout_s=10.0, expect_dead=(1,))
+    assert "rank 0 of 2" in results[0]["error"] and "bucket" in results[0]["error"]
+    assert results[0]["again"] == results[0]["error"]
+    assert results[0]["seconds"] < 10.0 + 10.0
+
+
+EXPECTED_ERRORS = {
+    "class_int": ("TypeError", "optimizer_class"),
+    "lbfgs": ("TypeError", "LBFGS"),
+    "sparse_adam": ("TypeError", "SparseAdam"),
+    "cap_zero": ("ValueError", "bucket_cap_mb: 0"),
+    "cap_nan": ("ValueError", "bucket_cap_mb: nan"),
+    "cap_str": ("ValueError", "bucket_cap_mb: '25'"),
+    "compression_str": ("TypeError", "compression: 'topk'"),
+    "topk_zero": ("ValueError", "ratio: 0.0"),
+    "topk_big": ("ValueError", "ratio: 1.5"),
+    "topk_str": ("TypeError", "ratio: '0.1'"),
+    "topk_feedback": ("TypeError", "error_feedback: 1"),
+    "threshold_negative": ("ValueError", "value: -1.0"),
+    "threshold_inf": ("ValueError", "value: inf"),
+    "cast_float64": ("ValueError", "dtype: torch.float64"),
+    "k_zero": ("ValueError", "k: 0"),
+    "k_float": ("TypeError", "k: 1.5"),
+    "passes_zero": ("ValueError", "backward_passes_per_step: 0"),
+    "passes_bool": ("ValueError", "backward_passes_per_step: True"),
+    "sync_str": ("TypeError", "sync: 'roundrobin'"),
+    "sync_and_compression": ("ValueError", "compression: TopK"),
+    "overlap_str": ("TypeError", "overlap: 'yes'"),
+    "group_str": ("TypeError", "process_group: 'g'"),
+    "no_params": ("ValueError", "params: []"),
+    "tensor_params": ("TypeError", "params"),
+    "lr_negative": ("ValueError", "learning rate: -1.0"),  # torch.optim's words
+    "unknown_kwarg": ("TypeError", "bogus"),
+    "lr_kind": ("TypeError", "lr: 'fast'"),
+    "sparse_gradient": ("ValueError", "sparse"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad():
+    return run_world(scenarios.bad_arguments, 3)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
+def test_bad_arguments_raise_naming_them_before_any_collective(bad, case):
+    kind, words = EXPECTED_ERRORS[case]
+    message = bad[0][case]
+    assert message.startswith(kind + ":"), message
+    assert words in message, message
+    assert "issued" not in message
+
+
+def test_a_group_this_rank_is_not_in_is_refused(bad):
+    message = bad[2]["not_member"]
+    assert message.startswith("ValueError:") and "process_group" in message
+    assert "not one of its members" in message and "issued" not in message
+
+
+# ---------------------------------------------------------------- torch.optim integration
+
+
+@pytest.fixture(scope="module")
+def integrated():
+    return run_world(scenarios.integration, 2)
+
+
+def test_lr_and_hyperparameter_schedulers_and_hooks(integrated):
+    first = integrated[0]
+    assert torch.equal(first["schedules"], integrated[1]["schedules"])
+    assert _close(first["schedules"], first["schedules_reference"])
+    assert first["momentum"] == first["momentum_reference"] != 0.9
+    assert first["hooks"] == ["pre", "post"] * 10
+
+
+def test_state_dict_moves_to_torch_optim_and_back(integrated):
+    first = integrated[0]
+    assert first["state_keys"] == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]
+    assert _close(first["continued"], first["continued_reference"])
+    assert _close(first["loaded"], first["loaded_reference"])
+
+
+def test_bad_state_dict_changes_nothing(integrated):
+    first = integrated[0]
+    assert "exp_avg" in first["bad_state"] and first["bad_state_unchanged"]
+    assert "amsgrad" in first["fixed_key"]
+
+
+def test_clip_grad_norm_on_the_averaged_gradients():
+    results = run_world(scenarios.clipping, 2)
+    first = results[0]
+    assert first["norms"] == results[1]["norms"]
+    assert first["norms"] == pytest.approx(first["reference_norms"], rel=1e-5)
+    assert first["norms"][0] > 0.05  # clipping was active
+    assert _close(first["params"], first["reference"])
+    assert "overlap=False" in first["overlap_error"]
+    assert results[0]["rr_norm"] == results[1]["rr_norm"]
+    assert results[0]["rr_norm"] == pytest.approx(
+        (results[0]["rr_local"] ** 2 + results[1]["rr_local"] ** 2) ** 0.5, rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_round_robin_equals_local_steps_and_partial_averaging(k):
+    results = run_world(scenarios.round_robin, 2, k)
+    parts = results[0]["partitions"]
+    assert sorted(m for part in parts for m in part) == list(range(len(results[0]["params"])))
+    assert results[0]["round"] == {"round": 6}
+    last = parts[5 % k]
+    for m in last:  # the partition averaged last is the same on both ranks
+        assert torch.equal(results[0]["params"][m], results[1]["params"][m])
+    for r in range(2):
+        for m, p in enumerate(results[r]["params"]):
+            assert _close(p, results[0]["reference"][r][m])
+
+
+def test_save_and_load_resume_exactly(tmp_path):
+    results = run_world(scenarios.checkpoint, 2, str(tmp_path))
+    for r in results:
+        assert torch.equal(r["resumed"], r["uninterrupted"])
+        assert "optimizer_class" in r["other_class"]
+        assert "rank" in r["corrupt"]
+    files = results[0]["files"]
+    assert "manifest.json" in files
+    assert sum("state" in f for f in files) == 1 and sum("residuals" in f for f in files) == 2
+    assert len(results[0]["files_after_second_save"]) == len(files)
+
+
+def test_subgroups_average_within_their_group():
+    results = run_world(scenarios.subgroups, 4)
+    assert [r["group_rank"] for r in results] == [0, 1, 0, 1]
+    assert all(r["group_size"] == 2 for r in results)
+    assert torch.equal(results[0]["params"], results[1]["params"])
+    assert torch.equal(results[2]["params"], results[3]["params"])
+    assert not torch.equal(results[0]["params"], results[2]["params"])
+    assert _close(results[0]["params"], results[0]["reference"])
+    assert _close(results[2]["params"], results[2]["reference"])
