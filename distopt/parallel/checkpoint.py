@@ -38,7 +38,10 @@ __all__ = ["FORMAT", "MANIFEST", "load", "save"]
 
 def _agree(ok: bool, opt: Any) -> bool:
     """Whether every rank's ``ok`` is True (one all_reduce)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    device = "cpu"
+    if dist.get_backend(opt.process_group) == "nccl":  # NCCL takes only CUDA tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
     return bool(flag.item())
 

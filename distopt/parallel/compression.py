@@ -155,7 +155,7 @@ class _Sparsify(Compression):
         if sent_hook is not None:
             sent_hook(bucket.index, indices, values)
         index_dtype = _index_dtype(bucket)
-        counts = self.exchange_counts(indices.numel(), group, world_size)
+        counts = self.exchange_counts(indices.numel(), group, world_size, grads.device)
         width = max(counts)
         row = _row_bytes(width, len(bucket.params), index_dtype, bucket.dtype)
         packed = torch.zeros(row, dtype=torch.uint8, device=grads.device)
@@ -164,7 +164,8 @@ class _Sparsify(Compression):
         work = all_gather_flat(out, packed, group=group, async_op=True)
         return out, work, counts, width, index_dtype
 
-    def exchange_counts(self, count: int, group: Any, world_size: int) -> List[int]:
+    def exchange_counts(self, count: int, group: Any, world_size: int,
+                        device: torch.device) -> List[int]:
         """Every rank's number of pairs (a fixed number needs no exchange)."""
         return [count] * world_size
 
@@ -256,9 +257,11 @@ class Threshold(_Sparsify):
     def choose(self, accumulated: Tensor) -> Tensor:
         return torch.nonzero(accumulated.abs() >= self.value).view(-1)
 
-    def exchange_counts(self, count: int, group: Any, world_size: int) -> List[int]:
-        mine = torch.tensor([count], dtype=torch.int64)
-        every = torch.empty(world_size, dtype=torch.int64)
+    def exchange_counts(self, count: int, group: Any, world_size: int,
+                        device: torch.device) -> List[int]:
+        # On the bucket's device: NCCL takes only CUDA tensors.
+        mine = torch.tensor([count], dtype=torch.int64, device=device)
+        every = torch.empty(world_size, dtype=torch.int64, device=device)
         all_gather_flat(every, mine, group=group)
         return [int(c) for c in every.tolist()]
 

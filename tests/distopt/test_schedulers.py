@@ -106,3 +106,20 @@ def test_scheduler_state_dict_round_trip(world):
     again = make(dist_opt)
     again.load_state_dict(s.state_dict())
     assert again.last_epoch == s.last_epoch
+
+
+def test_step_hooks_run_around_every_step(world):
+    """register_step_pre_hook / post_hook, as on torch.optim (they failed before: the hook
+    dicts must be weak-referenceable, as torch's OrderedDicts are)."""
+    rrefs, local = harness.make_params()
+    dist_opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
+    calls = []
+    pre = dist_opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", args)))
+    dist_opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", args)))
+    for step in range(2):
+        with dist_autograd.context() as ctx:
+            harness.backward(step, rrefs, local, ctx)
+            dist_opt.step(ctx)
+        pre.remove()
+    assert [c[0] for c in calls] == ["pre", "post", "post"]
+    assert calls[0][1][0] == calls[1][1][0]  # the context id, as the step got it
