@@ -5,11 +5,9 @@ Every function here takes ``(rank, world_size, ...)``, runs inside an initialize
 computed on rank 0 from the same seeds: the whole batch in one process with torch.optim,
 and, for exactness, one process averaging the ranks' gradients itself.
 """
-import copy
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 
 from distopt.parallel import DataParallelOptimizer
 from functional import functional_optim_map, script_optimizer
