@@ -19,6 +19,7 @@ __all__ = [
     "PyRRef",
     "WeakIdKeyDictionary",
     "all_gather_flat",
+    "current_graph_task_id",
     "current_context_id",
     "init_optimizer_internals",
     "jit_enabled",
@@ -115,3 +116,13 @@ def all_gather_flat(output: Any, tensor: Any, group: Any = None, async_op: bool 
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, tensor, group=group, async_op=async_op)
+
+
+def current_graph_task_id() -> int:
+    """An id of the backward pass now running on this thread (-1 outside one).
+
+    Needed by ``distopt.parallel`` to tell a new backward pass from one that raised before
+    its end-of-backward callback ran; torch exposes it only as
+    ``torch._C._current_graph_task_id``.
+    """
+    return torch._C._current_graph_task_id()

@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from distopt._torch import queue_end_of_backward
+from distopt._torch import current_graph_task_id, queue_end_of_backward
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
 
@@ -77,6 +77,7 @@ class GradientReducer:
         self.reducing = False
         self._pass = 0
         self._pass_open = False
+        self._pass_task = -1
         self._pass_syncs = True
         self._pass_reduces = False
         self._passes = 0
@@ -99,8 +100,12 @@ class GradientReducer:
 
     def on_grad(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """A parameter's gradient for this pass is complete."""
-        if not self._pass_open:
+        task = current_graph_task_id()
+        if not self._pass_open or task != self._pass_task:
+            # A pass still open here raised before its end: it counts for nothing.
+            self._pass_open = False
             self._open_pass()
+            self._pass_task = task
         bucket.used[slot] = True
         if not self._pass_reduces:
             return
@@ -194,6 +199,12 @@ class GradientReducer:
             self.before_reduction()
             self.reducing = True
             self._flush(lambda bucket, slot: True)
+        else:
+            # Nothing left after a reducing pass that ended; after one that raised before
+            # its end, what it left, so that no bucket waits for ever (another rank's error,
+            # if any, comes back from the collectives).
+            self._pass_open = False
+            self._flush(lambda bucket, slot: bucket.hooked[slot] != self._pass)
         with self._cond:
             while self._done < len(self.buckets) and self._error is None:
                 self._cond.wait()

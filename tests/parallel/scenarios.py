@@ -669,3 +669,24 @@ def subgroups(rank: int, world_size: int) -> Dict[str, Any]:
             ropt.zero_grad()
         out["reference"] = flat_params(ref)
     return out
+
+
+def raise_everywhere_then_step(rank: int, world_size: int) -> Dict[str, Any]:
+    """Every rank's backward raises at step 1 (caught); step() still completes, and
+    training goes on in step on every rank (no bucket waits for ever)."""
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
+                                bucket_cap_mb=SMALL_BUCKETS_MB)
+    x, y = data(8)
+    losses, errors = [], []
+    for step in range(4):
+        h = _RaiseOnRank.apply(model[0](x), step == 1)
+        loss = ((model[4](model[3](model[2](model[1](h)))) - y) ** 2).mean()
+        try:
+            loss.backward()
+        except ValueError as exc:
+            errors.append(str(exc))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "errors": errors, "params": flat_params(model)}

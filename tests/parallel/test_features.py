@@ -250,3 +250,11 @@ def test_subgroups_average_within_their_group():
     assert not torch.equal(results[0]["params"], results[2]["params"])
     assert _close(results[0]["params"], results[0]["reference"])
     assert _close(results[2]["params"], results[2]["reference"])
+
+
+def test_step_after_a_backward_that_raised_everywhere_completes():
+    results = run_world(scenarios.raise_everywhere_then_step, 2, timeout_s=10.0)
+    for r in results:
+        assert r["errors"] == ["injected failure in backward"]
+        assert r["losses"][3] < r["losses"][0]
+    assert torch.equal(results[0]["params"], results[1]["params"])
