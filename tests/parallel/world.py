@@ -9,23 +9,17 @@ import datetime
 import io
 import multiprocessing
 import os
-import socket
 import traceback
 from typing import Any, Callable, List
 
 import torch
 
+from tests.distopt.conftest import free_port
+
 #: The process group's timeout in the children: what a collective waits for a lost peer.
 TIMEOUT_S = 20.0
 #: The most a whole world may run before the test fails (no hang survives this).
 WORLD_LIMIT_S = 240.0
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
