@@ -19,7 +19,6 @@ __all__ = [
     "PyRRef",
     "WeakIdKeyDictionary",
     "all_gather_flat",
-    "current_graph_task_id",
     "current_context_id",
     "init_optimizer_internals",
     "jit_enabled",
@@ -118,11 +117,22 @@ def all_gather_flat(output: Any, tensor: Any, group: Any = None, async_op: bool 
     return gather(output, tensor, group=group, async_op=async_op)
 
 
-def current_graph_task_id() -> int:
-    """An id of the backward pass now running on this thread (-1 outside one).
+def backward_depth() -> int:
+    """How many backward passes this thread's Python stack is inside (2 or more: a nested,
+    reentrant one, as ``torch.utils.checkpoint(..., use_reentrant=True)`` runs).
 
-    Needed by ``distopt.parallel`` to tell a new backward pass from one that raised before
-    its end-of-backward callback ran; torch exposes it only as
-    ``torch._C._current_graph_task_id``.
+    Needed by ``distopt.parallel`` to refuse nested passes clearly: torch does not expose the
+    autograd engine's reentrant depth, so this counts the frames of
+    ``torch.autograd.graph._engine_run_backward`` (0 where torch lacks it).
     """
-    return torch._C._current_graph_task_id()
+    import sys
+
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    code = getattr(run, "__code__", None)
+    depth = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            depth += 1
+        frame = frame.f_back
+    return depth

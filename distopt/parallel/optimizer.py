@@ -10,8 +10,12 @@ torch.optim algorithm couples parameters. Classes with no functional twin run ea
 once every bucket has arrived.
 """
 import contextlib
+import gc
 import logging
 import math
+import warnings
+import weakref
+import zlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
@@ -50,10 +54,14 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     It is a :class:`torch.optim.Optimizer`: param groups, every lr scheduler, step hooks,
     ``state_dict`` / ``load_state_dict`` in torch.optim's format (plus ``"residuals"`` with
-    error feedback and ``"sync"`` with ``RoundRobin``), ``zero_grad``. After ``step`` each
-    parameter's ``.grad`` holds the averaged gradient (a view of its bucket), as with DDP.
+    error feedback and ``"sync"`` with ``RoundRobin``), ``zero_grad``. When the reducing
+    backward pass returns, each parameter's ``.grad`` holds the averaged gradient (a view of
+    its bucket), as with DDP.
 
-    At construction the parameters are broadcast from the group's first rank, as DDP does.
+    At construction every rank's buckets are checked to be alike (one all_gather) and the
+    parameters are broadcast from the group's first rank, as DDP does. ``close()`` (or a
+    ``with`` block) removes the hooks; a newer DataParallelOptimizer over the same
+    parameters closes this one.
 
     Args:
         optimizer_class: a torch.optim class. Those in ``functional.functional_optim_map``
@@ -126,6 +134,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         all_params = [p for g in self.param_groups for p in g["params"]]
         group_of = [j for j, g in enumerate(self.param_groups) for _ in g["params"]]
         trained = [i for i, p in enumerate(all_params) if p.requires_grad]
+        self._untrained = [(i, p) for i, p in enumerate(all_params) if not p.requires_grad]
+        _take_over(all_params)
         codec = dense_reduction() if compression is None else compression
         if isinstance(codec, TopK) and codec.ratio == 1.0:
             codec = dense_reduction()
@@ -138,6 +148,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 compression.check_bucket(bucket)
             if codec.error_feedback:
                 bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
+        self._check_same_everywhere(all_params, group_of, bucket_cap_mb)
         self._broadcast_parameters(all_params)
 
         # One functional optimizer per (bucket, param group): a bucket steps on its own.
@@ -177,10 +188,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._trained = [all_params[i] for i in trained]
             self._partitions = partition(self._trained, sync.k)
         elif self._buckets:
+            # Weak: the hooks must not keep an optimizer the user dropped alive.
             self._reducer = GradientReducer(
                 self._buckets, codec, group, rank, world_size, backward_passes_per_step,
-                self._apply_changes, self._on_reduced,
+                _weak_call(self._apply_changes), _weak_call(self._on_reduced),
             )
+            _claim(all_params, self._reducer)
+        self._warned_late_change = False
         logger.info(
             "rank %d of %d: %d parameters in %d buckets, %s, compression=%r, sync=%r",
             rank, world_size, len(trained), len(self._buckets),
@@ -206,6 +220,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._untrained:
+            self._check_untrained()
+        if self._closed:
+            raise RuntimeError(
+                "Invalid step: this DataParallelOptimizer is closed (by close(), its `with` "
+                "block, or a newer DataParallelOptimizer over the same parameters)"
+            )
         if self.sync is not None:
             self._local_step_and_average()
             return loss
@@ -213,16 +234,38 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             return loss
         self._reducer.complete()
         try:
-            if not self.overlap or self._eager is not None:
+            stepped = self.overlap and self._eager is None
+            if self._apply_changes() and stepped and not self._warned_late_change:
+                self._warned_late_change = True
+                warnings.warn(
+                    "DataParallelOptimizer: param_groups changed after this step's "
+                    "reduction began; with overlap=True its buckets were stepped during "
+                    "backward with the previous values, and the new ones apply from the next "
+                    "step (change hyper-parameters before backward, e.g. scheduler.step() "
+                    "after opt.step(), or build with overlap=False)",
+                    stacklevel=2,
+                )
+            if not stepped:
                 self._step_all()
         finally:
             self._reducer.reset()
         return loss
 
-    def _apply_changes(self) -> None:
-        """Send hyper-parameters changed in ``param_groups`` to the compiled steps."""
+    def _check_untrained(self) -> None:
+        late = [i for i, p in self._untrained if p.requires_grad and p.grad is not None]
+        if late:
+            raise RuntimeError(
+                f"Invalid step: parameters {late} have gradients but had requires_grad=False "
+                f"when this DataParallelOptimizer was built, so they are in no bucket and "
+                f"would never be averaged or stepped (expected a new DataParallelOptimizer, "
+                f"after close() of this one, once they are unfrozen)"
+            )
+
+    def _apply_changes(self) -> bool:
+        """Send hyper-parameters changed in ``param_groups`` to the compiled steps; whether
+        there were any."""
         if self._local is None:
-            return
+            return False
         changes = pending_changes(
             self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
         )
@@ -231,6 +274,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 [(u, key, value) for u in self._units_of_group[j] for key, value in values.items()]
             )
             self._sent[j].update({k: snapshot(v) for k, v in values.items()})
+        return bool(changes)
 
     def _on_reduced(self, bucket: Bucket, unused: List[int]) -> None:
         bucket.unused = unused
@@ -533,12 +577,58 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         )
 
     def close(self) -> None:
-        """Remove the gradient hooks and stop the communication threads."""
+        """Remove the gradient hooks and stop the communication threads, after the
+        collectives in flight. Call it before building another DataParallelOptimizer over
+        the same parameters (or use the optimizer as a context manager); an optimizer that
+        is no longer referenced closes itself."""
+        self._closed_by_user = True
         if self._reducer is not None:
             self._reducer.close()
-            self._reducer = None
+
+    @property
+    def _closed(self) -> bool:
+        return getattr(self, "_closed_by_user", False) or (
+            self._reducer is not None and self._reducer.closed
+        )
+
+    def __enter__(self) -> "DataParallelOptimizer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------ construction
+
+    def _check_same_everywhere(
+        self, params: List[Tensor], group_of: List[int], bucket_cap_mb: float
+    ) -> None:
+        """Every rank must build the same buckets (one all_gather of a signature), or the
+        collectives would pair unlike buckets: DDP refuses mismatched models too."""
+        if self.world_size == 1:
+            return
+        layout = repr((
+            [(tuple(p.shape), str(p.dtype), p.requires_grad, str(p.device.type), j)
+             for p, j in zip(params, group_of)],
+            float(bucket_cap_mb), repr(self.compression), repr(self.sync),
+            self.backward_passes_per_step, self.optimizer_class.__name__,
+        ))
+        mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64)
+        if dist.get_backend(self.process_group) == "nccl":  # NCCL takes only CUDA tensors
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.process_group)
+        first = every[0].tolist()
+        for r, theirs in enumerate(every):
+            theirs = theirs.tolist()
+            if theirs != first:
+                raise ValueError(
+                    f"Invalid params: rank {r} of the process group built its "
+                    f"DataParallelOptimizer from {theirs[0]} parameters, rank 0 from "
+                    f"{first[0]}, and their shapes, dtypes, requires_grad, param groups or "
+                    f"options (bucket_cap_mb, compression, sync, backward_passes_per_step, "
+                    f"optimizer class) differ (expected the same model and arguments on "
+                    f"every rank)"
+                )
 
     def _broadcast_parameters(self, params: List[Tensor]) -> None:
         """Every rank starts from the group's first rank's parameters, as under DDP."""
@@ -557,6 +647,59 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 for t in members:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
+
+
+# id(parameter) -> (weak parameter, weak reducer) for parameters whose gradients some
+# live DataParallelOptimizer's hooks take.
+_CLAIMS: Dict[int, Any] = {}
+
+
+def _claimant(p: Tensor) -> Any:
+    entry = _CLAIMS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    reducer = entry[1]()
+    return reducer if reducer is not None and not reducer.closed else None
+
+
+def _take_over(params: List[Tensor]) -> None:
+    """Two optimizers hooked to one parameter would both reduce and step it: the newer one
+    takes the parameters and the older one is closed (``opt = DataParallelOptimizer(...)``
+    again builds the new one while the old is still bound)."""
+    if not any(_claimant(p) is not None for p in params):
+        return
+    gc.collect()  # an optimizer the user dropped may only be waiting for the collector
+    older = {}
+    for i, p in enumerate(params):
+        reducer = _claimant(p)
+        if reducer is not None:
+            older.setdefault(id(reducer), (reducer, []))[1].append(i)
+    for reducer, taken in older.values():
+        warnings.warn(
+            f"DataParallelOptimizer: parameters {taken[:10]}{'...' if len(taken) > 10 else ''}"
+            f" belonged to another DataParallelOptimizer, which is now closed (its step() "
+            f"raises); close() it before building a new one over the same parameters",
+            stacklevel=3,
+        )
+        reducer.close()
+
+
+def _claim(params: List[Tensor], reducer: GradientReducer) -> None:
+    for p in params:
+        _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(reducer))
+    for key in [k for k, (wp, wr) in _CLAIMS.items() if wp() is None or wr() is None]:
+        del _CLAIMS[key]
+
+
+def _weak_call(method: Any) -> Callable[..., Any]:
+    """``method`` without a strong reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
 
 
 def _offsets(bucket: Bucket) -> List[int]:

@@ -13,8 +13,16 @@ which may step the bucket's parameters at once, while backward goes on.
 
 At the end of the reducing pass (the autograd engine's final callback) parameters the pass
 did not reach are flushed: their accumulated gradient, or zeros, goes in, and their flags
-say whether this rank used them at all. ``complete()`` (from ``step()``) flushes a window
-that never reached its reducing pass (fewer passes, the end of an epoch) and waits.
+say whether this rank used them at all; then the callback waits for every bucket, so that
+when ``backward()`` returns ``.grad`` holds the averages (as under DDP). ``complete()``
+(from ``step()``) flushes a window that never reached its reducing pass (fewer passes, the
+end of an epoch) and waits.
+
+A pass is known by the object queued as its final callback: a backward pass that raises
+drops its autograd graph task, and with it that object, without calling it; so the pass is
+over either way. A nested (reentrant) backward that opens a pass, as
+``torch.utils.checkpoint(..., use_reentrant=True)`` does, is refused: its end is not the
+outer pass's.
 """
 import logging
 import queue
@@ -25,7 +33,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from distopt._torch import current_graph_task_id, queue_end_of_backward
+from distopt._torch import backward_depth, queue_end_of_backward
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
 
@@ -75,9 +83,10 @@ class GradientReducer:
         self.on_reduced = on_reduced
         self.no_sync = False
         self.reducing = False
+        self._closed = False
         self._pass = 0
         self._pass_open = False
-        self._pass_task = -1
+        self._broken = False
         self._pass_syncs = True
         self._pass_reduces = False
         self._passes = 0
@@ -100,14 +109,22 @@ class GradientReducer:
 
     def on_grad(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """A parameter's gradient for this pass is complete."""
-        task = current_graph_task_id()
-        if not self._pass_open or task != self._pass_task:
-            # A pass still open here raised before its end: it counts for nothing.
-            self._pass_open = False
+        if not self._pass_open:
             self._open_pass()
-            self._pass_task = task
         bucket.used[slot] = True
         if not self._pass_reduces:
+            return
+        if bucket.hooked[slot] == self._pass:
+            # A second accumulation in one pass: a reentrant backward inside this one
+            # reached the parameter, and the outer pass again.
+            if bucket.launched:
+                raise RuntimeError(
+                    f"Invalid backward pass: parameter {bucket.positions[slot]} received a "
+                    f"second gradient after its bucket's reduction had begun (a parameter "
+                    f"used both inside and outside torch.utils.checkpoint(..., "
+                    f"use_reentrant=True); expected use_reentrant=False)"
+                )
+            self._take(bucket, slot, param)
             return
         bucket.hooked[slot] = self._pass
         self._take(bucket, slot, param)
@@ -116,7 +133,21 @@ class GradientReducer:
             self._launch(bucket)
 
     def _open_pass(self) -> None:
+        if backward_depth() > 1:
+            raise RuntimeError(
+                "Invalid backward pass: a nested (reentrant) backward, such as "
+                "torch.utils.checkpoint(..., use_reentrant=True) runs, reached a parameter "
+                "before the outer pass did, so the end of the outer pass cannot be awaited "
+                "(expected torch.utils.checkpoint(..., use_reentrant=False))"
+            )
         if self.reducing:
+            if self._broken:
+                raise RuntimeError(
+                    "Invalid backward pass: the previous backward pass raised after the "
+                    "reduction of this step's gradients had begun on this rank (expected "
+                    "step() first: it reduces and applies the gradients that pass reached, on "
+                    "every rank alike)"
+                )
             raise RuntimeError(
                 "Invalid backward pass: the gradients of this step are already being "
                 "reduced (expected step() after every backward_passes_per_step backward "
@@ -131,7 +162,7 @@ class GradientReducer:
         self._pass_syncs = syncs
         self._pass_reduces = reduces
         self._pass_open = True
-        queue_end_of_backward(self._end_of_pass)
+        queue_end_of_backward(_EndOfPass(weakref.ref(self), self._pass))
 
     def _end_of_pass(self) -> None:
         self._pass_open = False
@@ -139,6 +170,14 @@ class GradientReducer:
             self._passes += 1
         if self._pass_reduces:
             self._flush(lambda bucket, slot: bucket.hooked[slot] != self._pass)
+            self._wait()
+
+    def _pass_died(self) -> None:
+        """The open pass raised before its end: it counts for nothing (what a reducing pass
+        launched stays launched; ``complete`` finishes the rest)."""
+        self._pass_open = False
+        if self._pass_reduces:
+            self._broken = True
 
     def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """Put the parameter's accumulated gradient (or zeros) into its bucket slot."""
@@ -203,8 +242,10 @@ class GradientReducer:
             # Nothing left after a reducing pass that ended; after one that raised before
             # its end, what it left, so that no bucket waits for ever (another rank's error,
             # if any, comes back from the collectives).
-            self._pass_open = False
             self._flush(lambda bucket, slot: bucket.hooked[slot] != self._pass)
+        self._wait()
+
+    def _wait(self) -> None:
         with self._cond:
             while self._done < len(self.buckets) and self._error is None:
                 self._cond.wait()
@@ -215,6 +256,7 @@ class GradientReducer:
         self._done = 0
         self._passes = 0
         self.reducing = False
+        self._broken = False
         for bucket in self.buckets:
             bucket.reset()
 
@@ -238,12 +280,43 @@ class GradientReducer:
             self._done += 1
             self._cond.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Remove the hooks and stop the threads."""
+        """Remove the hooks and stop the threads (after the collectives in flight)."""
+        self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles = []
         _stop(self._ready, self._issued, [])
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self._threads = []
+
+
+class _EndOfPass:
+    """The final callback of one backward pass; dropped uncalled when the pass raises."""
+
+    def __init__(self, ref: "weakref.ref[GradientReducer]", number: int) -> None:
+        self.ref = ref
+        self.number = number
+        self.called = False
+
+    def __call__(self) -> None:
+        self.called = True
+        reducer = self.ref()
+        if reducer is not None and reducer._pass_open and reducer._pass == self.number:
+            reducer._end_of_pass()
+
+    def __del__(self) -> None:
+        if self.called:
+            return
+        reducer = self.ref()
+        if reducer is not None and reducer._pass_open and reducer._pass == self.number:
+            reducer._pass_died()
 
 
 def _hook(ref: "weakref.ref[GradientReducer]", bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
@@ -265,8 +338,10 @@ def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[
     following = 0
     while True:
         index = ready.get()
+        if index is None:
+            return
         reducer = ref()
-        if index is None or reducer is None:
+        if reducer is None:
             return
         arrived.add(index)
         while following in arrived:
@@ -275,6 +350,7 @@ def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[
                 pending = reducer.codec.issue(bucket, reducer.group, reducer.world_size)
             except BaseException as exc:  # noqa: B902 - reported by step()
                 reducer.fail(f"starting the reduction of {_describe(bucket)}", exc)
+                del reducer, bucket
                 return
             reducer._issued.put((bucket, pending))
             arrived.discard(following)
@@ -288,8 +364,10 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
     """The finishing thread: wait for each reduction in order, then hand the bucket on."""
     while True:
         item = issued.get()
+        if item is None:
+            return
         reducer = ref()
-        if item is None or reducer is None:
+        if reducer is None:
             return
         bucket, pending = item
         what = f"the reduction of {_describe(bucket)}"
@@ -302,9 +380,10 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
             reducer.on_reduced(bucket, unused)
         except BaseException as exc:  # noqa: B902 - reported by step()
             reducer.fail(what, exc)
+            del reducer, bucket, pending, item
             return
         reducer.bucket_done()
-        del reducer, bucket, pending
+        del reducer, bucket, pending, item
 
 
 def _stop(ready: Any, issued: Any, handles: List[Any]) -> None:

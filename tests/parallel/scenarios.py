@@ -690,3 +690,204 @@ def raise_everywhere_then_step(rank: int, world_size: int) -> Dict[str, Any]:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "errors": errors, "params": flat_params(model)}
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def _train_reference(steps, x, y, lr=0.1, momentum=0.9, clip=None, lrs=None):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for step in range(steps):
+        loss_of(model, x, y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if lrs is not None:
+            opt.param_groups[0]["lr"] = lrs[step]
+        opt.step()
+        opt.zero_grad()
+    return flat_params(model)
+
+
+def misuse(rank: int, world_size: int) -> Dict[str, Any]:
+    """What users do between backward and step, and around the optimizer's lifetime."""
+    import gc
+    import threading
+    import warnings
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = data(4 * world_size, seed=7)
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    out: Dict[str, Any] = {}
+    sgd = {"lr": 0.1, "momentum": 0.9}
+
+    # .grad holds the average when backward returns: torch's own clipping works.
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), overlap=False,
+                                bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+    for step in range(4):
+        loss_of(model, xs, ys).backward()
+        if step == 0:
+            out["grads_after_backward"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    out["torch_clip"] = flat_params(model)
+    threads = list(opt._reducer._threads)
+    opt.close()
+    out["threads_alive_after_close"] = [t.name for t in threads if t.is_alive()]
+    out["threads_started"] = len(threads)
+
+    # A learning rate set between backward and step applies to that step (overlap=False);
+    # with overlap=True, to the next one, with a warning.
+    lrs = [0.1, 0.05, 0.02, 0.01]
+    for overlap in (False, True):
+        model = make_model()
+        opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), overlap=overlap,
+                                    bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                loss_of(model, xs, ys).backward()
+                opt.param_groups[0]["lr"] = lrs[step]
+                opt.step()
+                opt.zero_grad()
+        opt.close()
+        out[f"late_lr/{overlap}"] = flat_params(model)
+        out[f"late_lr_warnings/{overlap}"] = [str(w.message) for w in caught
+                                            if "DataParallelOptimizer" in str(w.message)]
+
+    # Every rank's backward raises mid-pass; the next backward is refused clearly until
+    # step() finishes that step; then training goes on in step.
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(),
+                                bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+    try:
+        h = _RaiseOnRank.apply(model[0](xs), True)
+        ((model[4](model[3](model[2](model[1](h)))) - ys) ** 2).mean().backward()
+    except ValueError:
+        pass
+    opt.zero_grad()
+    try:
+        loss_of(model, xs, ys).backward()
+        out["after_raise"] = "no error"
+    except RuntimeError as exc:
+        out["after_raise"] = str(exc)
+    opt.step()
+    opt.zero_grad()
+    for _ in range(2):
+        loss_of(model, xs, ys).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    out["after_raise_params"] = flat_params(model)
+
+    # Activation checkpointing: non-reentrant works; reentrant works while the outer pass
+    # reaches a parameter first, and is refused by name where a nested pass does.
+    for mode in ("plain", "reentrant", "reentrant-all"):
+        reentrant = mode != "plain"
+        model = make_model()
+        opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(),
+                                    bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+        try:
+            for _ in range(3):
+                inp = xs.clone().requires_grad_(reentrant)
+                h = checkpoint(model[:2], inp, use_reentrant=reentrant)
+                h = checkpoint(model[2:4], h, use_reentrant=reentrant)
+                if mode == "reentrant-all":
+                    h = checkpoint(model[4], h, use_reentrant=reentrant)
+                else:
+                    h = model[4](h)
+                ((h - ys) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"checkpoint/{mode}"] = flat_params(model)
+        except RuntimeError as exc:
+            out[f"checkpoint/{mode}"] = str(exc)
+        opt.close()
+
+    # Building a second optimizer over the same parameters closes the first (warning);
+    # one dropped without close() is freed at once and its hooks with it (plain SGD:
+    # no state lost by rebuilding).
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    loss_of(model, xs, ys).backward()
+    opt.step()
+    opt.zero_grad()
+    old = opt
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    out["rebind_warnings"] = [str(w.message) for w in caught
+                                            if "DataParallelOptimizer" in str(w.message)]
+    try:
+        old.step()
+        out["old_step"] = "no error"
+    except RuntimeError as exc:
+        out["old_step"] = str(exc)
+    del old
+    gc.disable()
+    try:
+        for _ in range(3):
+            loss_of(model, xs, ys).backward()
+            opt.step()
+            opt.zero_grad()
+            dropped = weakref.ref(opt)
+            opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+            out["dropped_alive"] = out.get("dropped_alive", False) or dropped() is not None
+    finally:
+        gc.enable()
+    opt.close()
+    out["rebind_params"] = flat_params(model)
+
+    # A parameter frozen at construction and unfrozen later is refused, not ignored.
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), **sgd)
+    model[0].weight.requires_grad_(True)
+    loss_of(model, xs, ys).backward()
+    try:
+        opt.step()
+        out["unfrozen"] = "no error"
+    except RuntimeError as exc:
+        out["unfrozen"] = str(exc)
+    opt.close()
+
+    # TopK: a parameter no rank uses keeps its residual.
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), compression=TopK(0.3),
+                                bucket_cap_mb=1.0, **sgd)
+    residuals = []
+    for use_last in (True, False, False):
+        h = model[3](model[2](model[1](model[0](xs))))
+        loss = ((model[4](h) - ys) ** 2).mean() if use_last else h.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        residuals.append(opt.state_dict()["residuals"][4].clone())
+    opt.close()
+    out["unused_residuals"] = residuals
+
+    # Different models on different ranks are refused on every rank, before any bucket.
+    torch.manual_seed(0)
+    other = torch.nn.Linear(6, 3 + rank)
+    try:
+        DataParallelOptimizer(torch.optim.SGD, other.parameters(), lr=0.1)
+        out["mismatch"] = "no error"
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("distopt-dp"))
+
+    if rank == 0:
+        out["reference_clip"] = _train_reference(4, x, y, clip=0.05)
+        out["reference_lr"] = _train_reference(4, x, y, lrs=lrs)
+        out["reference"] = _train_reference(3, x, y)
+        out["reference_4"] = _train_reference(4, x, y)
+        out["reference_plain_4"] = _train_reference(4, x, y, momentum=0.0)
+        model = make_model()
+        out["reference_first_grads"] = torch.cat([
+            g.reshape(-1) for g in torch.autograd.grad(loss_of(model, x, y), list(model.parameters()))
+        ])
+    return out

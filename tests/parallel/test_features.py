@@ -258,3 +258,103 @@ def test_step_after_a_backward_that_raised_everywhere_completes():
         assert r["errors"] == ["injected failure in backward"]
         assert r["losses"][3] < r["losses"][0]
     assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+# ---------------------------------------------------------------- misuse
+
+
+@pytest.fixture(scope="module")
+def misused():
+    return run_world(scenarios.misuse, 2)
+
+
+def test_grads_are_averaged_when_backward_returns(misused):
+    first = misused[0]
+    assert torch.equal(first["grads_after_backward"], misused[1]["grads_after_backward"])
+    assert _close(first["grads_after_backward"], first["reference_first_grads"])
+    # so torch.nn.utils.clip_grad_norm_ between backward and step() works (overlap=False)
+    assert torch.equal(first["torch_clip"], misused[1]["torch_clip"])
+    assert _close(first["torch_clip"], first["reference_clip"])
+    assert not _close(first["torch_clip"], first["reference_4"], 1e-3)  # clipping was active
+
+
+def test_close_joins_the_threads(misused):
+    assert misused[0]["threads_started"] == 2
+    assert misused[0]["threads_alive_after_close"] == []
+    # every optimizer of the scenario closed or dropped: none of its threads is left
+    assert misused[0]["threads"] == []
+
+
+def test_hyperparameters_changed_between_backward_and_step(misused):
+    first = misused[0]
+    assert _close(first["late_lr/False"], first["reference_lr"])
+    assert first["late_lr_warnings/False"] == []
+    # overlap=True stepped during backward: the change applies one step late, with a warning
+    assert not _close(first["late_lr/True"], first["reference_lr"], 1e-3)
+    assert len(first["late_lr_warnings/True"]) == 1
+    assert "overlap=True" in first["late_lr_warnings/True"][0]
+
+
+def test_backward_after_a_raised_backward_needs_step_first(misused):
+    for r in misused:
+        assert "previous backward pass raised" in r["after_raise"] and "step()" in r["after_raise"]
+    assert torch.equal(misused[0]["after_raise_params"], misused[1]["after_raise_params"])
+
+
+def test_activation_checkpointing(misused):
+    first = misused[0]
+    for mode in ("plain", "reentrant"):
+        assert isinstance(first[f"checkpoint/{mode}"], torch.Tensor), first[f"checkpoint/{mode}"]
+        assert _close(first[f"checkpoint/{mode}"], first["reference"])
+        assert torch.equal(first[f"checkpoint/{mode}"], misused[1][f"checkpoint/{mode}"])
+    assert "use_reentrant=False" in first["checkpoint/reentrant-all"]
+
+
+def test_a_new_optimizer_over_the_same_parameters_replaces_the_old(misused):
+    first = misused[0]
+    assert len(first["rebind_warnings"]) == 1 and "now closed" in first["rebind_warnings"][0]
+    assert "closed" in first["old_step"]
+    assert first["dropped_alive"] is False
+    # each iteration stepped once: hooks of replaced optimizers never fire again
+    assert _close(first["rebind_params"], first["reference_plain_4"])
+
+
+def test_unfrozen_parameters_are_refused(misused):
+    assert "requires_grad=False" in misused[0]["unfrozen"] and "[0]" in misused[0]["unfrozen"]
+
+
+def test_topk_residual_of_a_parameter_no_rank_used_is_kept(misused):
+    for r in misused:
+        first, second, third = r["unused_residuals"]
+        assert first.abs().sum() > 0
+        assert torch.equal(first, second) and torch.equal(second, third)
+
+
+def test_different_models_on_different_ranks_are_refused(misused):
+    for r in misused:
+        assert "rank 1" in r["mismatch"] and "same model" in r["mismatch"]
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "heavy_tail", "half_zero", "sorted", "constant"])
+def test_topk_chooses_the_same_elements_as_torch_topk(kind):
+    from distopt.parallel import TopK
+
+    gen = torch.Generator().manual_seed(5)
+    n = 300_001
+    values = torch.randn(n, generator=gen)
+    if kind == "heavy_tail":
+        values = values * torch.rand(n, generator=gen) ** 6
+    elif kind == "half_zero":
+        values[: n // 2] = 0
+    elif kind == "sorted":  # the strided sample sees only part of the range well
+        values = values.abs().sort().values
+    elif kind == "constant":  # every element ties: any k of them are the top k
+        values = torch.full((n,), 0.5)
+    for ratio in (0.001, 0.01, 0.1):
+        topk = TopK(ratio)
+        chosen = topk.choose(values)
+        k = topk.count(n)
+        assert chosen.numel() == k and chosen.unique().numel() == k
+        expected = torch.topk(values.abs(), k, sorted=False)[0]
+        # the same multiset of magnitudes (ties may pick other positions)
+        assert torch.equal(values.abs()[chosen].sort().values, expected.sort().values)

@@ -1,0 +1,394 @@
+"""DataParallelOptimizer against torch DDP, with and without compression, one run.
+
+Two ranks on 127.0.0.1 (gloo), one intra-op thread each (``torch.set_num_threads(1)``: two
+processes on two cores). The model is an MLP of ``--params-millions`` million parameters
+(Linear 1024 x 1024 layers, ReLU between), trained on one fixed batch of ``--batch`` rows
+per rank (mean squared error against fixed random targets); every configuration starts
+from the same weights. Per configuration: ``--warmup`` steps, then ``--steps`` timed steps,
+each timed with ``time.perf_counter`` around forward + backward + ``step()`` +
+``zero_grad()``. A step's time is the larger of the two ranks' times for it; the table
+gives the median over the timed steps.
+
+Configurations, side by side:
+
+- local: ``torch.optim.Adam(foreach=True)`` with no communication; both ranks run it at once,
+  each on its own batch (one process's worth of work per core): the floor. Also with
+  ``fused=True``, closer to what DataParallelOptimizer runs (compiled fused Adam per bucket).
+- DDP: ``torch.nn.parallel.DistributedDataParallel`` (default 25 MB buckets) +
+  ``torch.optim.Adam(foreach=True)``.
+- DataParallelOptimizer(torch.optim.Adam) with ``overlap=True`` (each bucket stepped as soon
+  as its average arrives) and ``overlap=False``; then, overlapped, ``Cast(bfloat16)``,
+  ``Cast(float16)``, ``TopK(0.01)`` (error feedback) and ``sync=RoundRobin(4)``.
+
+Bytes: ``sent`` is the change of ``wchar`` in /proc/self/io over the timed steps, per step,
+averaged over the two ranks (gloo on loopback writes every byte it sends through the
+process's sockets; every thread counts; nothing else writes while a phase is timed).
+``payload`` is the model of the bytes one rank sends per step: ``bytes_per_step`` of the
+compression for DataParallelOptimizer's buckets, ``2 (W-1)/W x 4 x numel`` for DDP, and for
+RoundRobin(4) one partition's parameters with Adam's ``exp_avg`` and ``exp_avg_sq`` in one
+all-reduce, ``2 (W-1)/W x 4 x 3 x numel(partition)``, averaged over the 4 rounds.
+
+Modelled steps at 1, 10 and 100 Gbit/s, for a network slower than loopback: ``compute +
+payload x 8 / bandwidth``, where ``compute`` is the same configuration's median step when
+each rank runs it alone, in a process group of its own (both ranks at once, as in the real
+run): forward, backward, the compression's own work and the optimizer step, with nothing
+on the wire. The model adds the wire time serially: it leaves out the overlap of
+communication with backward, so it is an upper bound for every row alike; the ratio in
+brackets is to DDP's modelled step at the same bandwidth.
+
+Run: ``python benchmarks/data_parallel.py [--steps N] [--warmup N] [--params-millions M]
+[--batch B] [--markdown]``; the report (with ``--markdown``, markdown only) goes to stdout
+and ends with the run time; progress is logged to stderr. The defaults take about 80 s
+on 2 cores.
+"""
+import argparse
+import datetime
+import gc
+import io
+import logging
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+# The folder of this file holds functional.py, which would hide the ``functional`` package;
+# take this folder off the path and put the repository root on it instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+if _ROOT not in [os.path.abspath(p or os.curdir) for p in sys.path]:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, TopK  # noqa: E402
+from distopt.parallel.compression import dense_reduction  # noqa: E402
+from distopt.parallel.sync import partition  # noqa: E402
+
+logger = logging.getLogger("benchmarks.data_parallel")
+
+WORLD_SIZE = 2
+WIDTH = 1024
+LR = 1e-3
+BANDWIDTHS_GBIT = (1, 10, 100)
+#: The seconds a collective waits for a lost peer.
+TIMEOUT_S = 120.0
+
+#: name -> (kind, DataParallelOptimizer keyword arguments); in the order of the table.
+CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "local Adam(foreach), no communication": ("local", {"foreach": True}),
+    "local Adam(fused), no communication": ("local", {"fused": True}),
+    "DDP + Adam(foreach)": ("ddp", {}),
+    "DPO(Adam) overlap=True": ("dpo", {}),
+    "DPO(Adam) overlap=False": ("dpo", {"overlap": False}),
+    "DPO(Adam) Cast(bf16)": ("dpo", {"compression": Cast(torch.bfloat16)}),
+    "DPO(Adam) Cast(fp16)": ("dpo", {"compression": Cast(torch.float16)}),
+    "DPO(Adam) TopK(0.01)": ("dpo", {"compression": TopK(0.01)}),
+    "DPO(Adam) RoundRobin(4)": ("dpo", {"sync": RoundRobin(4)}),
+}
+
+
+# ---------------------------------------------------------------- on the ranks
+
+
+def wchar() -> int:
+    """Bytes this process has written so far, sockets included (every thread)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def layer_count(params_millions: float) -> int:
+    return max(1, round(params_millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
+
+
+def make_model(layers: int) -> nn.Module:
+    """``layers`` Linear(1024, 1024), ReLU between; the same weights every time."""
+    torch.manual_seed(0)
+    parts: List[nn.Module] = []
+    for i in range(layers):
+        if i:
+            parts.append(nn.ReLU())
+        parts.append(nn.Linear(WIDTH, WIDTH))
+    return nn.Sequential(*parts)
+
+
+def build(kind: str, options: Dict[str, Any], layers: int, group: Any,
+          world_size: int) -> Tuple[nn.Module, torch.optim.Optimizer, Optional[float]]:
+    """The model to call, its optimizer, and the payload model (bytes per step and rank)."""
+    model = make_model(layers)
+    numel = sum(p.numel() for p in model.parameters())
+    dense = 2.0 * (world_size - 1) / world_size * 4 * numel
+    if kind == "local":
+        return model, torch.optim.Adam(model.parameters(), lr=LR, **options), None
+    if kind == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        return ddp, torch.optim.Adam(ddp.parameters(), lr=LR, foreach=True), dense
+    opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=LR,
+                                process_group=group, **options)
+    if opt.sync is not None:
+        params = list(model.parameters())
+        parts = partition(params, opt.sync.k)
+        per_round = [sum(params[i].numel() for i in part) for part in parts]
+        payload = 2.0 * (world_size - 1) / world_size * 4 * 3 * statistics.mean(per_round)
+    else:
+        codec = opt.compression or dense_reduction()
+        payload = codec.bytes_per_step(
+            [(b.numel, len(b.params)) for b in opt._buckets], torch.float32, world_size
+        )
+    return model, opt, payload
+
+
+def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world_size: int,
+              batch: Tuple[torch.Tensor, torch.Tensor], warmup: int,
+              steps: int) -> Dict[str, Any]:
+    """Warm-up and timed steps of one configuration; every step's seconds and the bytes."""
+    model, opt, payload = build(kind, options, layers, group, world_size)
+    x, y = batch
+
+    def one_step() -> float:
+        start = time.perf_counter()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        one_step()
+    dist.barrier()  # both ranks start the timed steps together
+    before = wchar()
+    times = [one_step() for _ in range(steps)]
+    sent = (wchar() - before) / steps
+    if isinstance(opt, DataParallelOptimizer):
+        opt.close()  # its hooks and threads; the model and optimizer go when this returns
+    return {"times": times, "sent": sent, "payload": payload}
+
+
+def measure(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
+    """Every configuration on this rank: with the other rank, then alone."""
+    layers = layer_count(options.params_millions)
+    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+    batch = (torch.randn(options.batch, WIDTH, generator=gen),
+             torch.randn(options.batch, WIDTH, generator=gen))
+    # A group of one per rank (every rank creates every group, in the same order).
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    out: Dict[str, Any] = {"layers": layers,
+                           "numel": sum(p.numel() for p in make_model(layers).parameters())}
+    for name, (kind, kwargs) in CONFIGS.items():
+        if rank == 0:
+            logger.info("%s", name)
+        together = run_phase(kind, kwargs, layers, None, world_size, batch, options.warmup,
+                             options.steps)
+        gc.collect()
+        if kind == "local":
+            out[name] = {"together": together, "alone": None}
+            continue
+        single = run_phase(kind, kwargs, layers, alone, 1, batch, options.warmup, options.steps)
+        gc.collect()
+        out[name] = {"together": together, "alone": single}
+    return out
+
+
+def _rank_main(rank: int, world_size: int, port: int, options: argparse.Namespace,
+               results: Any) -> None:
+    torch.set_num_threads(1)  # two processes on two cores: one intra-op thread each
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"rank {rank}: %(name)s: %(message)s")
+    logger.setLevel(logging.INFO if options.verbose else logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )
+        out = measure(rank, world_size, options)
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: B902 - reported by the parent
+        results.put((rank, False, traceback.format_exc()))
+    # Flush the result, then skip the interpreter's teardown: after a failure, gloo's
+    # threads of the broken group can block it (as in tests/parallel/world.py).
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_world(options: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Spawn the ranks; every rank's results, in rank order."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, WORLD_SIZE, port, options, results))
+             for r in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    out: List[Any] = [None] * WORLD_SIZE
+    failures = []
+    try:
+        for _ in range(WORLD_SIZE):
+            rank, ok, value = results.get(timeout=30 * 60)
+            if ok:
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return out
+
+
+# ---------------------------------------------------------------- the report
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """This machine in a few words: CPU model and core count."""
+    return f"{cpu_model()}, {os.cpu_count()} cores"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def median_ms(per_rank: List[List[float]]) -> float:
+    """The median over steps of the slowest rank's time for each step, in ms."""
+    return statistics.median(max(ts) for ts in zip(*per_rank)) * 1e3
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str]:
+    md = options.markdown
+    lines: List[str] = []
+
+    table: List[List[str]] = []
+
+    def row(*cells: str) -> None:
+        table.append(list(cells))
+
+    first = ranks[0]
+    lines.append(
+        f"machine: {machine()}; torch {torch.__version__}; {WORLD_SIZE} ranks on 127.0.0.1 "
+        f"(gloo), 1 intra-op thread each; MLP {first['layers']} x Linear({WIDTH}, {WIDTH}) = "
+        f"{first['numel'] / 1e6:.2f}M parameters, batch {options.batch} per rank; Adam "
+        f"lr={LR}; {options.warmup} warm-up + {options.steps} timed steps; step = median over "
+        f"steps of the slower rank's forward+backward+step+zero_grad"
+    )
+    lines.append("")
+    headers = ["config", "step ms", "/ DDP", "sent B/step/rank (wchar)", "payload B (model)",
+               "compute ms (alone)"] + [f"modelled ms @{g} Gbit/s (/ DDP)" for g in BANDWIDTHS_GBIT]
+    row(*headers)
+    rows: Dict[str, Dict[str, Any]] = {}
+    for name in CONFIGS:
+        together = [r[name]["together"] for r in ranks]
+        alone = [r[name]["alone"] for r in ranks]
+        entry = {
+            "ms": median_ms([t["times"] for t in together]),
+            "sent": statistics.mean(t["sent"] for t in together),
+            "payload": together[0]["payload"],
+            "compute": median_ms([a["times"] for a in alone]) if alone[0] else None,
+        }
+        if entry["payload"] is not None:
+            entry["modelled"] = [entry["compute"] + entry["payload"] * 8 / (g * 1e9) * 1e3
+                                 for g in BANDWIDTHS_GBIT]
+        rows[name] = entry
+    ddp = rows["DDP + Adam(foreach)"]
+    for name, entry in rows.items():
+        modelled = ["-"] * len(BANDWIDTHS_GBIT)
+        if "modelled" in entry:
+            modelled = [f"{m:.1f} ({m / d:.2f})"
+                        for m, d in zip(entry["modelled"], ddp["modelled"])]
+        compute = "-" if entry["compute"] is None else f"{entry['compute']:.1f}"
+        row(name, f"{entry['ms']:.1f}", f"{entry['ms'] / ddp['ms']:.2f}",
+            human_bytes(entry["sent"]), human_bytes(entry["payload"]), compute, *modelled)
+    if md:
+        table.insert(1, ["---"] + ["---:"] * (len(headers) - 1))
+        lines.extend("| " + " | ".join(cells) + " |" for cells in table)
+    else:
+        widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+        for cells in table:
+            lines.append("  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            ))
+    lines.append("")
+    lines.append(
+        "sent: wchar change per timed step, mean of the ranks; payload: the modelled bytes "
+        "(bytes_per_step; DDP 2(W-1)/W x 4 x numel; RoundRobin: parameter + exp_avg + "
+        "exp_avg_sq of one of 4 partitions, mean over the rounds); compute: the same "
+        "configuration with each rank alone in its own process group (both at once); "
+        "modelled = compute + payload x 8 / bandwidth, no overlap."
+    )
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps first")
+    parser.add_argument("--params-millions", type=float, default=8.0,
+                        help="model size (rounded to whole 1024 x 1024 layers)")
+    parser.add_argument("--batch", type=int, default=32, help="rows per rank")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("-q", "--quiet", dest="verbose", action="store_false",
+                        help="log no progress")
+    options = parser.parse_args(argv)
+    for name in ("steps", "batch"):
+        if getattr(options, name) < 1:
+            parser.error(f"Invalid --{name}: {getattr(options, name)!r} (expected >= 1)")
+    if options.warmup < 1:
+        parser.error(f"Invalid --warmup: {options.warmup!r} (expected >= 1: the first step "
+                     f"creates the optimizer state)")
+    if options.params_millions <= 0:
+        parser.error(f"Invalid --params-millions: {options.params_millions!r} (expected > 0)")
+    logging.basicConfig(level=logging.INFO if options.verbose else logging.WARNING,
+                        stream=sys.stderr)
+    start = time.perf_counter()
+    logger.info("spawning %d ranks", WORLD_SIZE)
+    ranks = run_world(options)
+    for line in report(ranks, options):
+        print(line, flush=True)
+    if options.markdown:
+        print()
+    print(f"run time: {time.perf_counter() - start:.0f} s on {machine()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
