@@ -36,14 +36,30 @@ VERSION = 1
 __all__ = ["FORMAT", "MANIFEST", "load", "save"]
 
 
-def _agree(ok: bool, opt: Any) -> bool:
-    """Whether every rank's ``ok`` is True (one all_reduce)."""
+def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
+    """Whether every rank's ``ok`` is True (one all_reduce).
+
+    Raises:
+        RuntimeError: the collective failed (a rank died or timed out), naming this rank,
+            ``what`` and ``path``.
+    """
     device = "cpu"
     if dist.get_backend(opt.process_group) == "nccl":  # NCCL takes only CUDA tensors
         device = torch.device("cuda", torch.cuda.current_device())
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
+    except Exception as exc:
+        raise _lost(opt, what, path, exc) from exc
     return bool(flag.item())
+
+
+def _lost(opt: Any, what: str, path: str, exc: BaseException) -> RuntimeError:
+    return RuntimeError(
+        f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: {what} {path!r} "
+        f"could not agree with the other ranks (one died or timed out): "
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _first_rank(opt: Any) -> int:
@@ -54,7 +70,10 @@ def _first_rank(opt: Any) -> int:
 def save(opt: Any, path: str) -> Dict[str, Any]:
     path = os.path.abspath(path)
     box = [uuid.uuid4().hex[:16] if opt.rank == 0 else None]
-    dist.broadcast_object_list(box, src=_first_rank(opt), group=opt.process_group)
+    try:
+        dist.broadcast_object_list(box, src=_first_rank(opt), group=opt.process_group)
+    except Exception as exc:
+        raise _lost(opt, "save to", path, exc) from exc
     generation = box[0]
     per_rank = opt.sync is not None
     written = []
@@ -73,7 +92,9 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
             written.append(name)
     except Exception as exc:  # reported on every rank below
         error = exc
-    if not _agree(error is None, opt):
+    # A failed collective leaves this generation's files (whether some rank went on to
+    # write the manifest cannot be known here); the next save removes them.
+    if not _agree(error is None, opt, "save to", path):
         _remove(path, written)
         raise RuntimeError(
             f"Invalid save to {path!r}: rank {opt.rank} "
@@ -95,7 +116,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
             write_atomic(os.path.join(path, MANIFEST), lambda f: _write_bytes(f, data))
         except Exception as exc:  # reported on every rank below
             error = exc
-    if not _agree(error is None, opt):
+    if not _agree(error is None, opt, "save to", path):
         _remove(path, written)
         raise RuntimeError(f"Invalid save to {path!r}: the manifest was not written: {error!r}")
     # Each rank removes its own files of older generations (and rank 0 the shared state).
@@ -105,7 +126,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         ):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(path, name))
-    _agree(True, opt)  # every rank's old files are gone when save returns
+    _agree(True, opt, "save to", path)  # every rank's old files are gone when save returns
     logger.info("rank %d: saved generation %s to %s", opt.rank, generation, path)
     return manifest
 
@@ -147,7 +168,7 @@ def load(opt: Any, path: str) -> None:
         loader = opt._checked_loader(sd)
     except Exception as exc:  # reported on every rank below
         error = exc
-    if not _agree(error is None, opt):
+    if not _agree(error is None, opt, "load from", path):
         if error is not None:
             raise ValueError(f"Invalid checkpoint on rank {opt.rank}: {error}") from error
         raise ValueError(

@@ -334,7 +334,14 @@ def dies(rank: int, world_size: int) -> Dict[str, Any]:
             opt.step()
         except Exception as again:
             second = f"{type(again).__name__}: {again}"
-        return {"error": first, "again": second, "seconds": time.monotonic() - started}
+        import tempfile
+        try:
+            opt.save(tempfile.mkdtemp())
+            saved = "no error"
+        except Exception as exc_save:
+            saved = f"{type(exc_save).__name__}: {exc_save}"
+        return {"error": first, "again": second, "save": saved,
+                "seconds": time.monotonic() - started}
     return {"error": "", "seconds": 0.0}
 
 

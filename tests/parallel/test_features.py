@@ -118,6 +118,10 @@ def test_a_dead_rank_fails_the_others_with_a_clear_error():
     assert "rank 0 of 2" in results[0]["error"] and "bucket" in results[0]["error"]
     assert results[0]["again"] == results[0]["error"]
     assert results[0]["seconds"] < 10.0 + 10.0
+    # save() needs every rank: it says which rank could not agree, and why
+    assert results[0]["save"].startswith("RuntimeError: DataParallelOptimizer on rank 0 of 2: "
+                                         "save to"), results[0]["save"]
+    assert "could not agree" in results[0]["save"]
 
 
 EXPECTED_ERRORS = {
