@@ -48,8 +48,6 @@ import io
 import logging
 import multiprocessing
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -73,6 +71,7 @@ from torch import nn  # noqa: E402
 from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, TopK  # noqa: E402
 from distopt.parallel.compression import dense_reduction  # noqa: E402
 from distopt.parallel.sync import partition  # noqa: E402
+from benchmarks._machine import free_port, machine, wchar  # noqa: E402
 
 logger = logging.getLogger("benchmarks.data_parallel")
 
@@ -99,14 +98,6 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 
 # ---------------------------------------------------------------- on the ranks
 
-
-def wchar() -> int:
-    """Bytes this process has written so far, sockets included (every thread)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("wchar"):
-                return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io")
 
 
 def layer_count(params_millions: float) -> int:
@@ -259,26 +250,7 @@ def run_world(options: argparse.Namespace) -> List[Dict[str, Any]]:
 # ---------------------------------------------------------------- the report
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
-
-def machine() -> str:
-    """This machine in a few words: CPU model and core count."""
-    return f"{cpu_model()}, {os.cpu_count()} cores"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def median_ms(per_rank: List[List[float]]) -> float:

@@ -32,8 +32,6 @@ import argparse
 import logging
 import multiprocessing
 import os
-import platform
-import socket
 import statistics
 import sys
 import threading
@@ -56,6 +54,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 import distopt  # noqa: E402
 from benchmarks import _rpc_world as world  # noqa: E402
+from benchmarks._machine import free_port, machine  # noqa: E402
 
 logger = logging.getLogger("benchmarks.rpc_step")
 
@@ -235,26 +234,7 @@ def busy_ratio(lib: type, optim_cls: type, sets: ParamSets, repeats: int) -> Tup
     return idle, busy
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
-
-def machine() -> str:
-    """This machine in a few words: CPU model and core count."""
-    return f"{cpu_model()}, {os.cpu_count()} cores"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def threads_label(threads: int) -> str:
