@@ -235,6 +235,14 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._reducer.complete()
         try:
             stepped = self.overlap and self._eager is None
+            poisoned = self._reducer.poisoned
+            if poisoned is not None and not stepped:
+                raise RuntimeError(
+                    f"Invalid step: a backward pass refused since the last step had already "
+                    f"added its gradient to parameter {poisoned}'s .grad before it was "
+                    f"refused, so this step's gradients are no longer the averages; the step "
+                    f"is dropped (expected zero_grad() and this step's backward again)"
+                )
             if self._apply_changes() and stepped and not self._warned_late_change:
                 self._warned_late_change = True
                 warnings.warn(

@@ -87,6 +87,9 @@ class GradientReducer:
         self._pass = 0
         self._pass_open = False
         self._broken = False
+        self._first: Optional[Tuple[Bucket, int]] = None
+        self._guard: Optional[Tuple[Bucket, int, Tensor]] = None
+        self.poisoned: Optional[int] = None
         self._pass_syncs = True
         self._pass_reduces = False
         self._passes = 0
@@ -110,7 +113,12 @@ class GradientReducer:
     def on_grad(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """A parameter's gradient for this pass is complete."""
         if not self._pass_open:
-            self._open_pass()
+            try:
+                self._open_pass()
+            except RuntimeError:
+                self._refused(bucket, slot, param)
+                raise
+            self._first = (bucket, slot)
         bucket.used[slot] = True
         if not self._pass_reduces:
             return
@@ -171,6 +179,22 @@ class GradientReducer:
         if self._pass_reduces:
             self._flush(lambda bucket, slot: bucket.hooked[slot] != self._pass)
             self._wait()
+            first = self._first
+            if first is not None and first[0].grads[first[1]].numel() <= _GUARD_NUMEL:
+                # The parameter the next pass is likeliest to reach first: if that pass is
+                # refused, its gradient has already gone in, and this takes it out again.
+                self._guard = (first[0], first[1], first[0].grads[first[1]].clone())
+
+    def _refused(self, bucket: Bucket, slot: int, param: Tensor) -> None:
+        """A pass was refused in the hook of its first parameter, after the autograd engine
+        had added that pass's gradient to its ``.grad``: undo it, or mark the step."""
+        guard = self._guard
+        if guard is not None and guard[0] is bucket and guard[1] == slot:
+            view = bucket.grads[slot]
+            view.copy_(guard[2])
+            param.grad = view
+        else:
+            self.poisoned = bucket.positions[slot]
 
     def _pass_died(self) -> None:
         """The open pass raised before its end: it counts for nothing (what a reducing pass
@@ -257,6 +281,8 @@ class GradientReducer:
         self._passes = 0
         self.reducing = False
         self._broken = False
+        self._guard = None
+        self.poisoned = None
         for bucket in self.buckets:
             bucket.reset()
 
@@ -295,6 +321,10 @@ class GradientReducer:
             if thread is not threading.current_thread():
                 thread.join()
         self._threads = []
+
+
+#: The largest gradient (elements) copied each step to undo a refused pass (see _refused).
+_GUARD_NUMEL = 1 << 20
 
 
 class _EndOfPass:

@@ -791,6 +791,37 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     opt.close()
     out["after_raise_params"] = flat_params(model)
 
+    # An extra backward pass after the reduction is refused; the gradient it had already
+    # added is taken out again (the parameter the last pass reached first), or the step is
+    # dropped on every rank, saying so.
+    for case in ("same_first", "other_first"):
+        for overlap in (False, True):
+            model = make_model()
+            opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), overlap=overlap,
+                                        bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+            log = []
+            for step in range(3):
+                loss_of(model, xs, ys).backward()
+                if step == 1:
+                    try:
+                        if case == "same_first":
+                            loss_of(model, xs, ys).backward()
+                        else:  # reaches the first layer first
+                            model[0](xs).square().mean().backward()
+                        log.append("not refused")
+                    except RuntimeError as exc:
+                        log.append(str(exc))
+                before = flat_params(model)
+                try:
+                    opt.step()
+                    log.append("stepped")
+                except RuntimeError as exc:
+                    log.append(str(exc))
+                    log.append(bool(torch.equal(before, flat_params(model))))
+                opt.zero_grad()
+            opt.close()
+            out[f"extra_pass/{case}/{overlap}"] = {"log": log, "params": flat_params(model)}
+
     # Activation checkpointing: non-reentrant works; reentrant works while the outer pass
     # reaches a parameter first, and is refused by name where a nested pass does.
     for mode in ("plain", "reentrant", "reentrant-all"):
@@ -893,6 +924,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         out["reference"] = _train_reference(3, x, y)
         out["reference_4"] = _train_reference(4, x, y)
         out["reference_plain_4"] = _train_reference(4, x, y, momentum=0.0)
+        out["reference_2"] = _train_reference(2, x, y)
         model = make_model()
         out["reference_first_grads"] = torch.cat([
             g.reshape(-1) for g in torch.autograd.grad(loss_of(model, x, y), list(model.parameters()))

@@ -305,6 +305,25 @@ def test_backward_after_a_raised_backward_needs_step_first(misused):
     assert torch.equal(misused[0]["after_raise_params"], misused[1]["after_raise_params"])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_refused_extra_pass_leaves_the_step_whole_or_drops_it(misused, overlap):
+    first = misused[0]
+    same = first[f"extra_pass/same_first/{overlap}"]
+    assert "already being reduced" in same["log"][1] and same["log"][2] == "stepped"
+    assert _close(same["params"], first["reference"])  # as if the extra pass never ran
+    other = first[f"extra_pass/other_first/{overlap}"]
+    assert "already being reduced" in other["log"][1]
+    if overlap:  # stepped during the reducing pass, before the extra one
+        assert other["log"][2] == "stepped"
+        assert _close(other["params"], first["reference"])
+    else:
+        assert "dropped" in other["log"][2] and other["log"][3] is True
+        assert _close(other["params"], first["reference_2"])  # 2 of the 3 steps
+    for r in misused:
+        assert torch.equal(r[f"extra_pass/other_first/{overlap}"]["params"], other["params"])
+        assert torch.equal(r[f"extra_pass/same_first/{overlap}"]["params"], same["params"])
+
+
 def test_activation_checkpointing(misused):
     first = misused[0]
     for mode in ("plain", "reentrant"):
