@@ -136,3 +136,24 @@ def backward_depth() -> int:
             depth += 1
         frame = frame.f_back
     return depth
+
+
+def private_group() -> Any:
+    """A new process group of every rank, with the default group's backend and timeout, for
+    collectives issued from a thread of their own; every rank must call it, in the same
+    order (as ``torch.distributed.new_group`` requires).
+
+    Needed by ``distopt.parallel``: collectives issued on one group from two threads (two
+    optimizers' communication threads, or one and SyncBatchNorm's backward) can pair up in a
+    different order on each rank, which gloo answers by aborting the process. The timeout is
+    read from the backend's options, which torch does not expose otherwise.
+    """
+    parent = dist.group.WORLD
+    backend = dist.get_backend(parent)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    timeout = None
+    try:
+        timeout = parent._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return dist.new_group(timeout=timeout, backend=backend)

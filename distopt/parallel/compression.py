@@ -248,7 +248,8 @@ class TopK(_Sparsify):
             sample = magnitude[::n // _SAMPLE]
             above = min(sample.numel() - 1, math.ceil(2.0 * k / n * sample.numel()) + 1)
             threshold = torch.kthvalue(sample, sample.numel() - above).values
-            candidates = torch.nonzero(magnitude >= threshold).view(-1)
+            # not below: NaN is a candidate too (torch.topk ranks it above everything)
+            candidates = torch.nonzero(~(magnitude < threshold)).view(-1)
             if candidates.numel() >= k:
                 return candidates[torch.topk(magnitude[candidates], k, sorted=False)[1]]
         return torch.topk(magnitude, k, sorted=False)[1]

@@ -189,11 +189,20 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._partitions = partition(self._trained, sync.k)
         elif self._buckets:
             # Weak: the hooks must not keep an optimizer the user dropped alive.
+            # The communication thread issues on a group of its own, so that collectives of
+            # other threads (another optimizer, SyncBatchNorm's backward) cannot interleave;
+            # a group the user gives must be this optimizer's alone.
+            if group is None and world_size > 1:
+                self._comm_group = _torch.private_group()
+            else:
+                _check_group_unshared(group)
+                self._comm_group = group
             self._reducer = GradientReducer(
-                self._buckets, codec, group, rank, world_size, backward_passes_per_step,
-                _weak_call(self._apply_changes), _weak_call(self._on_reduced),
+                self._buckets, codec, self._comm_group, rank, world_size,
+                backward_passes_per_step,
+                _weak_call(self._before_reduction), _weak_call(self._on_reduced),
             )
-            _claim(all_params, self._reducer)
+        _claim(all_params, self)
         self._warned_late_change = False
         logger.info(
             "rank %d of %d: %d parameters in %d buckets, %s, compression=%r, sync=%r",
@@ -268,6 +277,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 f"would never be averaged or stepped (expected a new DataParallelOptimizer, "
                 f"after close() of this one, once they are unfrozen)"
             )
+
+    def _before_reduction(self) -> None:
+        if self._untrained:
+            self._check_untrained()  # before any bucket is sent or stepped
+        self._apply_changes()
 
     def _apply_changes(self) -> bool:
         """Send hyper-parameters changed in ``param_groups`` to the compiled steps; whether
@@ -592,6 +606,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._closed_by_user = True
         if self._reducer is not None:
             self._reducer.close()
+            comm = getattr(self, "_comm_group", None)
+            if comm is not None and comm is not self.process_group:
+                self._comm_group = None
+                with contextlib.suppress(Exception):  # a peer already gone
+                    dist.destroy_process_group(comm)
 
     @property
     def _closed(self) -> bool:
@@ -617,6 +636,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         layout = repr((
             [(tuple(p.shape), str(p.dtype), p.requires_grad, str(p.device.type), j)
              for p, j in zip(params, group_of)],
+            [sorted((k, repr(v)) for k, v in g.items() if k != "params")
+             for g in self.param_groups],
             float(bucket_cap_mb), repr(self.compression), repr(self.sync),
             self.backward_passes_per_step, self.optimizer_class.__name__,
         ))
@@ -632,10 +653,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"Invalid params: rank {r} of the process group built its "
                     f"DataParallelOptimizer from {theirs[0]} parameters, rank 0 from "
-                    f"{first[0]}, and their shapes, dtypes, requires_grad, param groups or "
-                    f"options (bucket_cap_mb, compression, sync, backward_passes_per_step, "
-                    f"optimizer class) differ (expected the same model and arguments on "
-                    f"every rank)"
+                    f"{first[0]}, and their shapes, dtypes, requires_grad, param groups, "
+                    f"hyper-parameters (lr, momentum, ...) or options (bucket_cap_mb, "
+                    f"compression, sync, backward_passes_per_step, optimizer class) differ "
+                    f"(expected the same model and arguments on every rank)"
                 )
 
     def _broadcast_parameters(self, params: List[Tensor]) -> None:
@@ -657,8 +678,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     offset += t.numel()
 
 
-# id(parameter) -> (weak parameter, weak reducer) for parameters whose gradients some
-# live DataParallelOptimizer's hooks take.
+# id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
+# DataParallelOptimizer averages and steps.
 _CLAIMS: Dict[int, Any] = {}
 
 
@@ -666,36 +687,50 @@ def _claimant(p: Tensor) -> Any:
     entry = _CLAIMS.get(id(p))
     if entry is None or entry[0]() is not p:
         return None
-    reducer = entry[1]()
-    return reducer if reducer is not None and not reducer.closed else None
+    opt = entry[1]()
+    return opt if opt is not None and not opt._closed else None
 
 
 def _take_over(params: List[Tensor]) -> None:
-    """Two optimizers hooked to one parameter would both reduce and step it: the newer one
+    """Two optimizers over one parameter would both average and step it: the newer one
     takes the parameters and the older one is closed (``opt = DataParallelOptimizer(...)``
     again builds the new one while the old is still bound)."""
     if not any(_claimant(p) is not None for p in params):
         return
     gc.collect()  # an optimizer the user dropped may only be waiting for the collector
-    older = {}
+    older: Dict[int, Any] = {}
     for i, p in enumerate(params):
-        reducer = _claimant(p)
-        if reducer is not None:
-            older.setdefault(id(reducer), (reducer, []))[1].append(i)
-    for reducer, taken in older.values():
+        opt = _claimant(p)
+        if opt is not None:
+            older.setdefault(id(opt), (opt, []))[1].append(i)
+    for opt, taken in older.values():
         warnings.warn(
             f"DataParallelOptimizer: parameters {taken[:10]}{'...' if len(taken) > 10 else ''}"
             f" belonged to another DataParallelOptimizer, which is now closed (its step() "
             f"raises); close() it before building a new one over the same parameters",
             stacklevel=3,
         )
-        reducer.close()
+        opt.close()
 
 
-def _claim(params: List[Tensor], reducer: GradientReducer) -> None:
+def _check_group_unshared(group: Any) -> None:
+    """Two communication threads on one group would issue in a different order per rank."""
+    for entry in list(_CLAIMS.values()):
+        opt = entry[1]()
+        if (opt is not None and not opt._closed and group is not None
+                and getattr(opt, "_comm_group", None) is group):
+            raise ValueError(
+                f"Invalid process_group: {group!r} already carries the reductions of another "
+                f"open DataParallelOptimizer, whose collectives would interleave with this "
+                f"one's in a different order on each rank (expected a group of its own for "
+                f"each, e.g. dist.new_group(ranks), or process_group=None, which makes one)"
+            )
+
+
+def _claim(params: List[Tensor], opt: "DataParallelOptimizer") -> None:
     for p in params:
-        _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(reducer))
-    for key in [k for k, (wp, wr) in _CLAIMS.items() if wp() is None or wr() is None]:
+        _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    for key in [k for k, (wp, wo) in _CLAIMS.items() if wp() is None or wo() is None]:
         del _CLAIMS[key]
 
 

@@ -197,11 +197,26 @@ class GradientReducer:
             self.poisoned = bucket.positions[slot]
 
     def _pass_died(self) -> None:
-        """The open pass raised before its end: it counts for nothing (what a reducing pass
-        launched stays launched; ``complete`` finishes the rest)."""
+        """The open pass raised before its end: it counts for nothing. A reducing pass that
+        launched no bucket gives the window back; one that did leaves it open (``complete``
+        finishes the rest), after its launched buckets are done, so that the next pass
+        cannot add to a bucket while it is being reduced."""
         self._pass_open = False
-        if self._pass_reduces:
-            self._broken = True
+        if not self._pass_reduces:
+            return
+        if not any(bucket.launched for bucket in self.buckets):
+            self.reducing = False
+            for bucket in self.buckets:
+                bucket.pending = len(bucket.params)
+                bucket.hooked = [-1] * len(bucket.params)
+            return
+        self._broken = True
+        issued = 0  # the communication thread issues in bucket order: a launched prefix
+        while issued < len(self.buckets) and self.buckets[issued].launched:
+            issued += 1
+        with self._cond:
+            while self._done < issued and self._error is None:
+                self._cond.wait()
 
     def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """Put the parameter's accumulated gradient (or zeros) into its bucket slot."""
@@ -218,7 +233,8 @@ class GradientReducer:
                 f"(expected a dense gradient: DataParallelOptimizer reduces dense gradients; "
                 f"use a dense embedding, or distopt.sparse for sharded tables)"
             )
-        view.copy_(grad)
+        with torch.no_grad():  # a gradient made with create_graph=True has a history
+            view.copy_(grad)
         param.grad = view
 
     def _flush(self, missing: Callable[[Bucket, int], bool]) -> None:

@@ -702,6 +702,23 @@ def raise_everywhere_then_step(rank: int, world_size: int) -> Dict[str, Any]:
 # ---------------------------------------------------------------- misuse
 
 
+class _SyncStat(torch.autograd.Function):
+    """Subtracts half the batch mean over every rank, in forward and backward (collectives
+    on the default group, issued on the thread running backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mean = x.detach().mean(0, keepdim=True).clone()
+        dist.all_reduce(mean)
+        return x - mean / (2 * dist.get_world_size())
+
+    @staticmethod
+    def backward(ctx, grad):
+        mean = grad.mean(0, keepdim=True).clone()
+        dist.all_reduce(mean)
+        return grad - mean / (2 * dist.get_world_size())
+
+
 def _train_reference(steps, x, y, lr=0.1, momentum=0.9, clip=None, lrs=None):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -822,6 +839,37 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
             opt.close()
             out[f"extra_pass/{case}/{overlap}"] = {"log": log, "params": flat_params(model)}
 
+    # Two optimizers over one model on the default group, and a layer whose backward
+    # all_reduces on that group (as SyncBatchNorm's does): each optimizer's thread issues
+    # on a group of its own, so nothing interleaves. An explicit group shared by two open
+    # optimizers is refused.
+    model = make_model()
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    first_opt = DataParallelOptimizer(torch.optim.SGD, weights, bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+    second_opt = DataParallelOptimizer(torch.optim.Adam, biases, lr=0.01,
+                                       bucket_cap_mb=SMALL_BUCKETS_MB)
+    for _ in range(5):
+        h = _SyncStat.apply(model[1](model[0](xs)))
+        ((model[4](model[3](model[2](h))) - ys) ** 2).mean().backward()
+        first_opt.step()
+        second_opt.step()
+        first_opt.zero_grad()
+        second_opt.zero_grad()
+    first_opt.close()
+    second_opt.close()
+    out["two_optimizers"] = flat_params(model)
+    shared = dist.new_group([0, 1])
+    one = DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1,
+                                process_group=shared)
+    try:
+        DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1,
+                              process_group=shared)
+        out["shared_group"] = "no error"
+    except ValueError as exc:
+        out["shared_group"] = str(exc)
+    one.close()
+
     # Activation checkpointing: non-reentrant works; reentrant works while the outer pass
     # reaches a parameter first, and is refused by name where a nested pass does.
     for mode in ("plain", "reentrant", "reentrant-all"):
@@ -908,7 +956,8 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     opt.close()
     out["unused_residuals"] = residuals
 
-    # Different models on different ranks are refused on every rank, before any bucket.
+    # Different models or hyper-parameters on different ranks are refused on every rank,
+    # before any bucket.
     torch.manual_seed(0)
     other = torch.nn.Linear(6, 3 + rank)
     try:
@@ -916,6 +965,45 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         out["mismatch"] = "no error"
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    try:
+        DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1 * (1 + rank))
+        out["mismatch_lr"] = "no error"
+    except ValueError as exc:
+        out["mismatch_lr"] = str(exc)
+
+    # RoundRobin optimizers are replaced like the others.
+    model = make_model()
+    rr = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, sync=RoundRobin(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rr2 = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
+                                    sync=RoundRobin(2))
+    out["rr_warnings"] = len([w for w in caught if "now closed" in str(w.message)])
+    try:
+        rr.step()
+        out["rr_old_step"] = "no error"
+    except RuntimeError as exc:
+        out["rr_old_step"] = str(exc)
+    rr2.close()
+
+    # A pass that raises before any bucket was sent counts for nothing (one bucket);
+    # create_graph=True gradients reduce like any others.
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), **sgd)
+    for step in range(3):
+        if step == 1:
+            try:
+                h = _RaiseOnRank.apply(model[0](xs), True)
+                ((model[4](model[3](model[2](model[1](h)))) - ys) ** 2).mean().backward()
+            except ValueError:
+                pass
+            opt.zero_grad()
+            continue
+        loss_of(model, xs, ys).backward(create_graph=step == 2)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    out["dead_pass_params"] = flat_params(model)
     out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("distopt-dp"))
 
     if rank == 0:

@@ -324,6 +324,14 @@ def test_a_refused_extra_pass_leaves_the_step_whole_or_drops_it(misused, overlap
         assert torch.equal(r[f"extra_pass/same_first/{overlap}"]["params"], same["params"])
 
 
+def test_two_optimizers_and_collectives_in_backward_on_one_group(misused):
+    assert torch.isfinite(misused[0]["two_optimizers"]).all()
+    assert torch.equal(misused[0]["two_optimizers"], misused[1]["two_optimizers"])
+    assert not torch.equal(misused[0]["two_optimizers"], misused[0]["reference"])
+    for r in misused:
+        assert "already carries the reductions" in r["shared_group"]
+
+
 def test_activation_checkpointing(misused):
     first = misused[0]
     for mode in ("plain", "reentrant"):
@@ -356,9 +364,22 @@ def test_topk_residual_of_a_parameter_no_rank_used_is_kept(misused):
 def test_different_models_on_different_ranks_are_refused(misused):
     for r in misused:
         assert "rank 1" in r["mismatch"] and "same model" in r["mismatch"]
+        assert "rank 1" in r["mismatch_lr"] and "hyper-parameters" in r["mismatch_lr"]
 
 
-@pytest.mark.parametrize("kind", ["gaussian", "heavy_tail", "half_zero", "sorted", "constant"])
+def test_round_robin_optimizers_are_replaced_too(misused):
+    assert misused[0]["rr_warnings"] == 1
+    assert "closed" in misused[0]["rr_old_step"]
+
+
+def test_a_pass_raised_before_any_bucket_counts_for_nothing(misused):
+    # and the last step's backward used create_graph=True
+    assert _close(misused[0]["dead_pass_params"], misused[0]["reference_2"])
+    assert torch.equal(misused[0]["dead_pass_params"], misused[1]["dead_pass_params"])
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "heavy_tail", "half_zero", "sorted", "constant",
+                                  "nan"])
 def test_topk_chooses_the_same_elements_as_torch_topk(kind):
     from distopt.parallel import TopK
 
@@ -373,11 +394,14 @@ def test_topk_chooses_the_same_elements_as_torch_topk(kind):
         values = values.abs().sort().values
     elif kind == "constant":  # every element ties: any k of them are the top k
         values = torch.full((n,), 0.5)
+    elif kind == "nan":  # torch.topk ranks NaN above everything: so must TopK
+        values[[5, 70_000, 299_999]] = float("nan")
     for ratio in (0.001, 0.01, 0.1):
         topk = TopK(ratio)
         chosen = topk.choose(values)
         k = topk.count(n)
         assert chosen.numel() == k and chosen.unique().numel() == k
         expected = torch.topk(values.abs(), k, sorted=False)[0]
-        # the same multiset of magnitudes (ties may pick other positions)
-        assert torch.equal(values.abs()[chosen].sort().values, expected.sort().values)
+        # the same multiset of magnitudes (ties may pick other positions; NaN made sortable)
+        got = values.abs()[chosen].nan_to_num(-1.0).sort().values
+        assert torch.equal(got, expected.nan_to_num(-1.0).sort().values)
