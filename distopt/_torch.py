@@ -5,6 +5,7 @@ runs on torch 2.11 and 2.13). Not here: torch's ``_foreach_*`` kernels, which to
 itself runs and which distopt calls from TorchScript functions (``distopt.clipping``), where
 a Python wrapper cannot be called.
 """
+import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -125,8 +126,6 @@ def backward_depth() -> int:
     autograd engine's reentrant depth, so this counts the frames of
     ``torch.autograd.graph._engine_run_backward`` (0 where torch lacks it).
     """
-    import sys
-
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     code = getattr(run, "__code__", None)
     depth = 0

@@ -28,6 +28,7 @@ class Bucket:
         numel: the number of gradient elements (the flags follow them).
         buffer: ``numel`` gradient elements, then ``len(params)`` flags.
         grads: views of ``buffer`` shaped like each parameter.
+        offsets: where each parameter's gradient starts in ``buffer``.
         flags: the flag part of ``buffer``.
         used: per parameter, whether a backward pass of this window gave it a gradient here.
         hooked: per parameter, the number of the last backward pass whose hook saw it.
@@ -45,8 +46,10 @@ class Bucket:
             self.numel + len(params), dtype=first.dtype, device=first.device
         )
         self.grads: List[Tensor] = []
+        self.offsets: List[int] = []
         offset = 0
         for p in params:
+            self.offsets.append(offset)
             self.grads.append(self.buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.flags = self.buffer[self.numel:]
@@ -62,6 +65,10 @@ class Bucket:
     def reset(self) -> None:
         """Forget the window that ended (its gradients stay in the buffer)."""
         self.used = [False] * len(self.params)
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Wait again for every parameter before launching (``used`` is kept)."""
         self.pending = len(self.params)
         self.launched = False
 

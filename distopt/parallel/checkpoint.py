@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distopt.checkpoint import write_atomic
+from distopt.parallel.sync import collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,8 @@ def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
         RuntimeError: the collective failed (a rank died or timed out), naming this rank,
             ``what`` and ``path``.
     """
-    device = "cpu"
-    if dist.get_backend(opt.process_group) == "nccl":  # NCCL takes only CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
+                        device=collective_device(opt.process_group))
     try:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
     except Exception as exc:

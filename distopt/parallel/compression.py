@@ -150,16 +150,14 @@ class _Sparsify(Compression):
         if residual is not None:
             accumulated = residual.add_(grads)  # the residual is gradient + residual now...
         candidates = accumulated
-        unused = [k for k, f in enumerate(bucket.flags.tolist()) if f == 0]
-        if unused and residual is not None:
+        if residual is not None and not all(bucket.used):
             # A parameter this rank did not use keeps its residual: if no rank used it, it
             # is not stepped, and what was sent for it would be lost.
             candidates = accumulated.clone()
-            offsets = [0]
-            for p in bucket.params:
-                offsets.append(offsets[-1] + p.numel())
-            for k in unused:
-                candidates[offsets[k]:offsets[k + 1]] = 0
+            for k, used in enumerate(bucket.used):
+                if not used:
+                    start = bucket.offsets[k]
+                    candidates[start:start + bucket.params[k].numel()] = 0
         indices = self.choose(candidates)
         values = candidates[indices]
         if residual is not None:

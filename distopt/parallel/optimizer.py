@@ -30,7 +30,7 @@ from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel.buckets import Bucket, assign_buckets
 from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.reducer import GradientReducer
-from distopt.parallel.sync import RoundRobin, average_, partition
+from distopt.parallel.sync import RoundRobin, average_, collective_device, partition
 from functional import functional_optim_map
 from functional._state import check_hyperparameter
 
@@ -135,6 +135,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         group_of = [j for j, g in enumerate(self.param_groups) for _ in g["params"]]
         trained = [i for i, p in enumerate(all_params) if p.requires_grad]
         self._untrained = [(i, p) for i, p in enumerate(all_params) if not p.requires_grad]
+        self._closed = False
+        self._comm_group: Any = None  # where the communication thread issues
         _take_over(all_params)
         codec = dense_reduction() if compression is None else compression
         if isinstance(codec, TopK) and codec.ratio == 1.0:
@@ -230,6 +232,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._untrained:
+            # Also here: the reduction's own check, at its start, precedes the gradients of
+            # the parameters backward reaches last.
             self._check_untrained()
         if self._closed:
             raise RuntimeError(
@@ -440,7 +444,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             sd["residuals"] = {
                 i: getattr(b, "residual")[o:o + p.numel()].view(p.shape).clone()
                 for b in self._buckets
-                for i, p, o in zip(b.positions, b.params, _offsets(b))
+                for i, p, o in zip(b.positions, b.params, b.offsets)
             }
         if self.sync is not None:
             sd["sync"] = {"round": self._round}
@@ -532,7 +536,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def _load_extras(self, residuals: Dict[int, Tensor], rounds: int) -> None:
         for b in self._buckets:
-            for i, p, o in zip(b.positions, b.params, _offsets(b)):
+            for i, p, o in zip(b.positions, b.params, b.offsets):
                 if i in residuals:
                     b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
         self._round = rounds
@@ -603,20 +607,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         collectives in flight. Call it before building another DataParallelOptimizer over
         the same parameters (or use the optimizer as a context manager); an optimizer that
         is no longer referenced closes itself."""
-        self._closed_by_user = True
+        self._closed = True
+        _OPEN.discard(self)
         if self._reducer is not None:
             self._reducer.close()
-            comm = getattr(self, "_comm_group", None)
+            comm = self._comm_group
             if comm is not None and comm is not self.process_group:
                 self._comm_group = None
                 with contextlib.suppress(Exception):  # a peer already gone
                     dist.destroy_process_group(comm)
-
-    @property
-    def _closed(self) -> bool:
-        return getattr(self, "_closed_by_user", False) or (
-            self._reducer is not None and self._reducer.closed
-        )
 
     def __enter__(self) -> "DataParallelOptimizer":
         return self
@@ -641,9 +640,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             float(bucket_cap_mb), repr(self.compression), repr(self.sync),
             self.backward_passes_per_step, self.optimizer_class.__name__,
         ))
-        mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64)
-        if dist.get_backend(self.process_group) == "nccl":  # NCCL takes only CUDA tensors
-            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64,
+                            device=collective_device(self.process_group))
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=self.process_group)
         first = every[0].tolist()
@@ -679,8 +677,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
 
 # id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
-# DataParallelOptimizer averages and steps.
+# DataParallelOptimizer averages and steps; and the open optimizers.
 _CLAIMS: Dict[int, Any] = {}
+_OPEN: "weakref.WeakSet[DataParallelOptimizer]" = weakref.WeakSet()
 
 
 def _claimant(p: Tensor) -> Any:
@@ -715,19 +714,17 @@ def _take_over(params: List[Tensor]) -> None:
 
 def _check_group_unshared(group: Any) -> None:
     """Two communication threads on one group would issue in a different order per rank."""
-    for entry in list(_CLAIMS.values()):
-        opt = entry[1]()
-        if (opt is not None and not opt._closed and group is not None
-                and getattr(opt, "_comm_group", None) is group):
-            raise ValueError(
-                f"Invalid process_group: {group!r} already carries the reductions of another "
-                f"open DataParallelOptimizer, whose collectives would interleave with this "
-                f"one's in a different order on each rank (expected a group of its own for "
-                f"each, e.g. dist.new_group(ranks), or process_group=None, which makes one)"
-            )
+    if group is not None and any(opt._comm_group is group for opt in list(_OPEN)):
+        raise ValueError(
+            f"Invalid process_group: {group!r} already carries the reductions of another "
+            f"open DataParallelOptimizer, whose collectives would interleave with this "
+            f"one's in a different order on each rank (expected a group of its own for "
+            f"each, e.g. dist.new_group(ranks), or process_group=None, which makes one)"
+        )
 
 
 def _claim(params: List[Tensor], opt: "DataParallelOptimizer") -> None:
+    _OPEN.add(opt)
     for p in params:
         _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(opt))
     for key in [k for k, (wp, wo) in _CLAIMS.items() if wp() is None or wo() is None]:
@@ -743,14 +740,6 @@ def _weak_call(method: Any) -> Callable[..., Any]:
         return None if bound is None else bound(*args)
 
     return call
-
-
-def _offsets(bucket: Bucket) -> List[int]:
-    out, offset = [], 0
-    for p in bucket.params:
-        out.append(offset)
-        offset += p.numel()
-    return out
 
 
 def _dense_grad(bucket: Bucket, slot: int) -> Optional[Tensor]:

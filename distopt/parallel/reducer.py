@@ -83,7 +83,6 @@ class GradientReducer:
         self.on_reduced = on_reduced
         self.no_sync = False
         self.reducing = False
-        self._closed = False
         self._pass = 0
         self._pass_open = False
         self._broken = False
@@ -207,8 +206,7 @@ class GradientReducer:
         if not any(bucket.launched for bucket in self.buckets):
             self.reducing = False
             for bucket in self.buckets:
-                bucket.pending = len(bucket.params)
-                bucket.hooked = [-1] * len(bucket.params)
+                bucket.rearm()  # the next pass has a new number: ``hooked`` needs no reset
             return
         self._broken = True
         issued = 0  # the communication thread issues in bucket order: a launched prefix
@@ -322,13 +320,8 @@ class GradientReducer:
             self._done += 1
             self._cond.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Remove the hooks and stop the threads (after the collectives in flight)."""
-        self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["RoundRobin", "average_", "partition"]
+__all__ = ["RoundRobin", "average_", "collective_device", "partition"]
 
 
 class RoundRobin:
@@ -76,3 +76,11 @@ def average_(tensors: List[Tensor], group: Any, world_size: int) -> int:
                 offset += t.numel()
             count += flat.numel()
     return count
+
+
+def collective_device(group: Any) -> torch.device:
+    """Where a small tensor for a collective on ``group`` must live: NCCL takes only CUDA
+    tensors (on this process's current device), gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

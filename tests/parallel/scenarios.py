@@ -719,6 +719,15 @@ class _SyncStat(torch.autograd.Function):
         return grad - mean / (2 * dist.get_world_size())
 
 
+def _error_of(call, error):
+    """The message of the ``error`` that ``call()`` raises, or "no error"."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    return "no error"
+
+
 def _train_reference(steps, x, y, lr=0.1, momentum=0.9, clip=None, lrs=None):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -794,11 +803,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     except ValueError:
         pass
     opt.zero_grad()
-    try:
-        loss_of(model, xs, ys).backward()
-        out["after_raise"] = "no error"
-    except RuntimeError as exc:
-        out["after_raise"] = str(exc)
+    out["after_raise"] = _error_of(lambda: loss_of(model, xs, ys).backward(), RuntimeError)
     opt.step()
     opt.zero_grad()
     for _ in range(2):
@@ -862,12 +867,8 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     shared = dist.new_group([0, 1])
     one = DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1,
                                 process_group=shared)
-    try:
-        DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1,
-                              process_group=shared)
-        out["shared_group"] = "no error"
-    except ValueError as exc:
-        out["shared_group"] = str(exc)
+    out["shared_group"] = _error_of(lambda: DataParallelOptimizer(
+        torch.optim.SGD, make_model().parameters(), lr=0.1, process_group=shared), ValueError)
     one.close()
 
     # Activation checkpointing: non-reentrant works; reentrant works while the outer pass
@@ -908,11 +909,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
     out["rebind_warnings"] = [str(w.message) for w in caught
                                             if "DataParallelOptimizer" in str(w.message)]
-    try:
-        old.step()
-        out["old_step"] = "no error"
-    except RuntimeError as exc:
-        out["old_step"] = str(exc)
+    out["old_step"] = _error_of(old.step, RuntimeError)
     del old
     gc.disable()
     try:
@@ -934,11 +931,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), **sgd)
     model[0].weight.requires_grad_(True)
     loss_of(model, xs, ys).backward()
-    try:
-        opt.step()
-        out["unfrozen"] = "no error"
-    except RuntimeError as exc:
-        out["unfrozen"] = str(exc)
+    out["unfrozen"] = _error_of(opt.step, RuntimeError)
     opt.close()
 
     # TopK: a parameter no rank uses keeps its residual.
@@ -960,16 +953,10 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     # before any bucket.
     torch.manual_seed(0)
     other = torch.nn.Linear(6, 3 + rank)
-    try:
-        DataParallelOptimizer(torch.optim.SGD, other.parameters(), lr=0.1)
-        out["mismatch"] = "no error"
-    except ValueError as exc:
-        out["mismatch"] = str(exc)
-    try:
-        DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1 * (1 + rank))
-        out["mismatch_lr"] = "no error"
-    except ValueError as exc:
-        out["mismatch_lr"] = str(exc)
+    out["mismatch"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.SGD, other.parameters(), lr=0.1), ValueError)
+    out["mismatch_lr"] = _error_of(lambda: DataParallelOptimizer(
+        torch.optim.SGD, make_model().parameters(), lr=0.1 * (1 + rank)), ValueError)
 
     # RoundRobin optimizers are replaced like the others.
     model = make_model()
@@ -979,11 +966,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         rr2 = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
                                     sync=RoundRobin(2))
     out["rr_warnings"] = len([w for w in caught if "now closed" in str(w.message)])
-    try:
-        rr.step()
-        out["rr_old_step"] = "no error"
-    except RuntimeError as exc:
-        out["rr_old_step"] = str(exc)
+    out["rr_old_step"] = _error_of(rr.step, RuntimeError)
     rr2.close()
 
     # A pass that raises before any bucket was sent counts for nothing (one bucket);
