@@ -6,7 +6,8 @@ A checkpoint is a directory (on a filesystem every rank shares)::
                                         generation, and the files of this save
     dp-<generation>-state-rank<r>.pt    torch.optim's state_dict (r = 0 only, unless the
                                         state differs per rank: RoundRobin)
-    dp-<generation>-residuals-rank<r>.pt  each rank's error-feedback residuals, if any
+    dp-<generation>-residuals-rank<r>.pt  each rank's error-feedback residuals and its
+                                        compression state (PowerSGD), if any
 
 Files are written with ``distopt.checkpoint.write_atomic`` (temporary name, fsync, rename)
 under a new generation id; the manifest, renamed last, names them, so a failed save leaves
@@ -81,6 +82,9 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         os.makedirs(path, exist_ok=True)
         sd = opt.state_dict()
         residuals = sd.pop("residuals", None)
+        codec_state = sd.pop("compression", None)
+        if codec_state is not None:
+            residuals = {"residuals": residuals or {}, "compression": codec_state}
         if per_rank or opt.rank == 0:
             name = f"dp-{generation}-state-rank{opt.rank}.pt"
             write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
@@ -106,7 +110,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         "optimizer_class": opt.optimizer_class.__name__,
         "world_size": opt.world_size,
         "state_per_rank": per_rank,
-        "residuals": opt._codec.error_feedback,
+        "residuals": opt._codec.error_feedback or opt._codec.state_dict() is not None,
     }
     error = None
     if opt.rank == 0:
@@ -159,11 +163,16 @@ def load(opt: Any, path: str) -> None:
         sd = torch.load(
             os.path.join(path, f"dp-{generation}-state-rank{source}.pt"), weights_only=True
         )
-        if manifest["residuals"] and opt._codec.error_feedback:
-            sd["residuals"] = torch.load(
+        if manifest["residuals"]:
+            part = torch.load(
                 os.path.join(path, f"dp-{generation}-residuals-rank{opt.rank}.pt"),
                 weights_only=True,
             )
+            if isinstance(part, dict) and "compression" in part:
+                sd["compression"] = part["compression"]
+                part = part["residuals"]
+            if opt._codec.error_feedback:
+                sd["residuals"] = part
         loader = opt._checked_loader(sd)
     except Exception as exc:  # reported on every rank below
         error = exc

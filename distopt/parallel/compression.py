@@ -16,7 +16,7 @@ average of the ranks' gradients and, in its flag part, how many ranks used each 
   ranks hold the same average.
 """
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,21 @@ class Compression:
     """
 
     error_feedback = False
+
+    def bound(self, group: Any, rank: int, world_size: int, buckets: List[Bucket]) -> "Compression":
+        """The scheme as one optimizer uses it, once its communication group is known (a
+        scheme with state per optimizer returns a new object; the others themselves)."""
+        return self
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """This rank's state of the scheme beyond ``residuals`` (None: it has none); it is
+        saved per rank, under ``"compression"`` in the optimizer's ``state_dict``."""
+        return None
+
+    def checked_loader(self, state: Any) -> Callable[[], None]:
+        """Check ``state`` (from ``state_dict``, or None when absent) and return what loads
+        it; raise ValueError naming what does not fit, changing nothing."""
+        return lambda: None
 
     def check_bucket(self, bucket: Bucket) -> None:
         """Raise ValueError if the scheme cannot carry this bucket's dtype."""

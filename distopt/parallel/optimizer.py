@@ -199,8 +199,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             else:
                 _check_group_unshared(group)
                 self._comm_group = group
+            self._codec = codec.bound(self._comm_group, rank, world_size, self._buckets)
             self._reducer = GradientReducer(
-                self._buckets, codec, self._comm_group, rank, world_size,
+                self._buckets, self._codec, self._comm_group, rank, world_size,
                 backward_passes_per_step,
                 _weak_call(self._before_reduction), _weak_call(self._on_reduced),
             )
@@ -446,6 +447,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 for b in self._buckets
                 for i, p, o in zip(b.positions, b.params, b.offsets)
             }
+        extra = self._codec.state_dict()
+        if extra is not None:
+            sd["compression"] = extra
         if self.sync is not None:
             sd["sync"] = {"round": self._round}
         for hook in self._optimizer_state_dict_post_hooks.values():
@@ -495,6 +499,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 )
             saved_ids.extend(saved["params"])
         residuals = self._check_residuals(state_dict, saved_ids)
+        load_codec = self._codec.checked_loader(state_dict.get("compression"))
         rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
@@ -506,6 +511,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 self.param_groups = self._eager.param_groups
                 self.state = self._eager.state
                 self._load_extras(residuals, rounds)
+                load_codec()
             return load_eager
         position = {saved: i for i, saved in enumerate(saved_ids)}
         state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
@@ -532,6 +538,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 {k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups
             ]
             self._load_extras(residuals, rounds)
+            load_codec()
         return load_compiled
 
     def _load_extras(self, residuals: Dict[int, Tensor], rounds: int) -> None:
