@@ -15,10 +15,14 @@ Configurations, side by side:
   each on its own batch (one process's worth of work per core): the floor. Also with
   ``fused=True``, closer to what DataParallelOptimizer runs (compiled fused Adam per bucket).
 - DDP: ``torch.nn.parallel.DistributedDataParallel`` (default 25 MB buckets) +
-  ``torch.optim.Adam(foreach=True)``.
+  ``torch.optim.Adam(foreach=True)``; and DDP + torch's ``ZeroRedundancyOptimizer(Adam,
+  foreach=True)`` (sharded state, stepped after backward: its ``overlap_with_ddp=True``
+  refuses gloo).
 - DataParallelOptimizer(torch.optim.Adam) with ``overlap=True`` (each bucket stepped as soon
   as its average arrives) and ``overlap=False``; then, overlapped, ``Cast(bfloat16)``,
-  ``Cast(float16)``, ``TopK(0.01)`` (error feedback) and ``sync=RoundRobin(4)``.
+  ``Cast(float16)``, ``TopK(0.01)`` (error feedback), ``sync=RoundRobin(4)``, and sharded
+  state, ``shard="param"`` and ``shard="flat"`` (each bucket stepped and all-gathered during
+  backward).
 
 Bytes: ``sent`` is the change of ``wchar`` in /proc/self/io over the timed steps, per step,
 averaged over the two ranks (gloo on loopback writes every byte it sends through the
@@ -69,7 +73,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, TopK  # noqa: E402
-from distopt.parallel.compression import dense_reduction  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from distopt.parallel.sync import partition  # noqa: E402
 from benchmarks._machine import free_port, machine, wchar  # noqa: E402
 
@@ -87,12 +91,15 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "local Adam(foreach), no communication": ("local", {"foreach": True}),
     "local Adam(fused), no communication": ("local", {"fused": True}),
     "DDP + Adam(foreach)": ("ddp", {}),
+    "DDP + ZeroRedundancyOptimizer(Adam)": ("zero", {}),
     "DPO(Adam) overlap=True": ("dpo", {}),
     "DPO(Adam) overlap=False": ("dpo", {"overlap": False}),
     "DPO(Adam) Cast(bf16)": ("dpo", {"compression": Cast(torch.bfloat16)}),
     "DPO(Adam) Cast(fp16)": ("dpo", {"compression": Cast(torch.float16)}),
     "DPO(Adam) TopK(0.01)": ("dpo", {"compression": TopK(0.01)}),
     "DPO(Adam) RoundRobin(4)": ("dpo", {"sync": RoundRobin(4)}),
+    "DPO(Adam) shard=param": ("dpo", {"shard": "param"}),
+    "DPO(Adam) shard=flat": ("dpo", {"shard": "flat"}),
 }
 
 
@@ -126,6 +133,13 @@ def build(kind: str, options: Dict[str, Any], layers: int, group: Any,
     if kind == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
         return ddp, torch.optim.Adam(ddp.parameters(), lr=LR, foreach=True), dense
+    if kind == "zero":
+        # overlap_with_ddp=True is refused on gloo: ZeRO steps after backward, then each
+        # owner broadcasts its parameters (on average (W-1)/W of them leave each rank).
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
+                                       process_group=group, lr=LR, foreach=True)
+        return ddp, zero, dense + (world_size - 1) / world_size * 4 * numel
     opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=LR,
                                 process_group=group, **options)
     if opt.sync is not None:
@@ -134,11 +148,17 @@ def build(kind: str, options: Dict[str, Any], layers: int, group: Any,
         per_round = [sum(params[i].numel() for i in part) for part in parts]
         payload = 2.0 * (world_size - 1) / world_size * 4 * 3 * statistics.mean(per_round)
     else:
-        codec = opt.compression or dense_reduction()
-        payload = codec.bytes_per_step(
-            [(b.numel, len(b.params)) for b in opt._buckets], torch.float32, world_size
-        )
+        payload = opt.bytes_per_step()
     return model, opt, payload
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """The optimizer state this rank holds (tensors, step counts included)."""
+    if isinstance(opt, DataParallelOptimizer):
+        return opt.state_bytes()
+    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    return sum(v.numel() * v.element_size() for entry in inner.state.values()
+               for v in entry.values() if isinstance(v, torch.Tensor))
 
 
 def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world_size: int,
@@ -161,9 +181,10 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
     before = wchar()
     times = [one_step() for _ in range(steps)]
     sent = (wchar() - before) / steps
+    held = state_bytes(opt)
     if isinstance(opt, DataParallelOptimizer):
         opt.close()  # its hooks and threads; the model and optimizer go when this returns
-    return {"times": times, "sent": sent, "payload": payload}
+    return {"times": times, "sent": sent, "payload": payload, "state": held}
 
 
 def measure(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
@@ -286,7 +307,7 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
     )
     lines.append("")
     headers = ["config", "step ms", "/ DDP", "sent B/step/rank (wchar)", "payload B (model)",
-               "compute ms (alone)"] + [f"modelled ms @{g} Gbit/s (/ DDP)" for g in BANDWIDTHS_GBIT]
+               "state B/rank (max)", "compute ms (alone)"] + [f"modelled ms @{g} Gbit/s (/ DDP)" for g in BANDWIDTHS_GBIT]
     row(*headers)
     rows: Dict[str, Dict[str, Any]] = {}
     for name in CONFIGS:
@@ -297,6 +318,7 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
             "sent": statistics.mean(t["sent"] for t in together),
             "payload": together[0]["payload"],
             "compute": median_ms([a["times"] for a in alone]) if alone[0] else None,
+            "state": max(t["state"] for t in together),
         }
         if entry["payload"] is not None:
             entry["modelled"] = [entry["compute"] + entry["payload"] * 8 / (g * 1e9) * 1e3
@@ -310,7 +332,8 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
                         for m, d in zip(entry["modelled"], ddp["modelled"])]
         compute = "-" if entry["compute"] is None else f"{entry['compute']:.1f}"
         row(name, f"{entry['ms']:.1f}", f"{entry['ms'] / ddp['ms']:.2f}",
-            human_bytes(entry["sent"]), human_bytes(entry["payload"]), compute, *modelled)
+            human_bytes(entry["sent"]), human_bytes(entry["payload"]),
+            human_bytes(entry["state"]), compute, *modelled)
     if md:
         table.insert(1, ["---"] + ["---:"] * (len(headers) - 1))
         lines.extend("| " + " | ".join(cells) + " |" for cells in table)
@@ -324,7 +347,10 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
     lines.append(
         "sent: wchar change per timed step, mean of the ranks; payload: the modelled bytes "
         "(bytes_per_step; DDP 2(W-1)/W x 4 x numel; RoundRobin: parameter + exp_avg + "
-        "exp_avg_sq of one of 4 partitions, mean over the rounds); compute: the same "
+        "exp_avg_sq of one of 4 partitions, mean over the rounds; ZeRO and shard: plus the "
+        "parameters' gather, (W-1)/W x 4 x numel for ZeRO's broadcasts, each bucket's padded "
+        "part for shard); state: optimizer state bytes on the rank holding most; compute: "
+        "the same "
         "configuration with each rank alone in its own process group (both at once); "
         "modelled = compute + payload x 8 / bandwidth, no overlap."
     )

@@ -12,7 +12,11 @@ What travels between the ranks can be compressed (``--compression``: float16 or 
 all-reduce, top-k or threshold sparsification with error feedback), or replaced by
 partial synchronisation (``--sync-k K``: each rank steps on its own gradients and averages
 one of K partitions of the parameters per step); ``--backward-passes N`` accumulates N
-micro-batches per step (the global batch stays ``--batch-size``).
+micro-batches per step (the global batch stays ``--batch-size``). ``--shard param`` or
+``--shard flat`` keeps only 1/W of the optimizer state on each rank (ZeRO): each rank steps
+its share of the parameters and they are all-gathered, bucket by bucket during backward;
+the losses are those of the unsharded run, bit for bit, and the last line reports the
+state bytes each rank holds.
 
 Rank 0 prints a line every ``--log-every`` steps: the step, the loss of that step averaged
 over the ranks (each rank keeps its losses; one all_reduce per progress line averages the
@@ -27,6 +31,7 @@ One machine (spawns ``--nproc`` processes on 127.0.0.1, a free port, gloo)::
     python examples/data_parallel.py
     python examples/data_parallel.py --compression topk --ratio 0.01
     python examples/data_parallel.py --sync-k 2 --backward-passes 2
+    python examples/data_parallel.py --shard flat
 
 With ``torchrun`` (it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; the
 world size is torchrun's, ``--nproc`` is ignored)::
@@ -57,7 +62,7 @@ if importlib.util.find_spec("distopt") is None:  # running from a clone that is 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, Threshold, TopK
-from distopt.parallel.compression import Compression, dense_reduction
+from distopt.parallel.compression import Compression
 
 import _launch
 
@@ -142,10 +147,7 @@ def modelled_bytes(opt: DataParallelOptimizer) -> Optional[float]:
     gradients: Threshold, or on the round: RoundRobin)."""
     if opt.sync is not None or isinstance(opt.compression, Threshold):
         return None
-    codec = opt.compression or dense_reduction()
-    return codec.bytes_per_step(
-        [(b.numel, len(b.params)) for b in opt._buckets], torch.float32, opt.world_size
-    )
+    return opt.bytes_per_step()
 
 
 # ---------------------------------------------------------------- training
@@ -161,6 +163,7 @@ def train(rank: int, world_size: int, options: argparse.Namespace) -> None:
         _launch.optimizer_class(options.optimizer), model.parameters(), lr=options.lr,
         compression=compression_of(options), sync=sync,
         backward_passes_per_step=options.backward_passes, bucket_cap_mb=options.bucket_cap_mb,
+        shard=None if options.shard == "none" else options.shard,
     )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
         opt, T_max=options.steps, eta_min=options.lr * 0.05
@@ -173,7 +176,7 @@ def train(rank: int, world_size: int, options: argparse.Namespace) -> None:
     say(
         f"{world_size} ranks (gloo), {sum(p.numel() for p in model.parameters())} parameters "
         f"in {len(opt._buckets)} buckets; {options.optimizer}(lr={options.lr}), "
-        f"compression={opt.compression!r}, sync={opt.sync!r}, "
+        f"compression={opt.compression!r}, sync={opt.sync!r}, shard={opt.shard!r}, "
         f"backward passes per step {options.backward_passes}; global batch "
         f"{options.batch_size} ({options.batch_size // world_size} per rank)",
         flush=True,
@@ -217,6 +220,10 @@ def train(rank: int, world_size: int, options: argparse.Namespace) -> None:
             since, sent_since = time.perf_counter(), wchar()
     with torch.no_grad():
         held_after = F.mse_loss(model(x_held), y_held).item()
+    held = torch.tensor([opt.state_bytes()], dtype=torch.int64)
+    every = [torch.zeros_like(held) for _ in range(world_size)]
+    dist.all_gather(every, held)
+    say(f"optimizer state per rank: {[int(b) for b in every]} bytes", flush=True)
     final = sum(losses[-FINAL_WINDOW:]) / len(losses[-FINAL_WINDOW:])
     say(
         f"loss: first {losses[0]:.4f} -> final {final:.4f} (step 1; mean of the last "
@@ -260,6 +267,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--sync-k", type=int, default=0,
                         help="RoundRobin(K): average one of K parameter partitions per step "
                              "instead of the gradients (0: off)")
+    parser.add_argument("--shard", choices=["none", "param", "flat"], default="none",
+                        help="keep 1/W of the optimizer state per rank: whole parameters "
+                             "(param) or even flat slices (flat)")
     parser.add_argument("--backward-passes", type=int, default=1,
                         help="micro-batches (backward passes) accumulated per step")
     parser.add_argument("--optimizer", default="AdamW", metavar="NAME",

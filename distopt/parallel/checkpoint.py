@@ -21,12 +21,13 @@ import json
 import logging
 import os
 import uuid
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from distopt.checkpoint import write_atomic
+from distopt.parallel import shard as _shard
 from distopt.parallel.sync import collective_device
 
 logger = logging.getLogger(__name__)
@@ -76,17 +77,19 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         raise _lost(opt, "save to", path, exc) from exc
     generation = box[0]
     per_rank = opt.sync is not None
+    sharded = opt.shard is not None
     written = []
     error = None
     try:
         os.makedirs(path, exist_ok=True)
-        sd = opt.state_dict()
+        sd = opt._state_dict(gather=False)
         residuals = sd.pop("residuals", None)
         codec_state = sd.pop("compression", None)
         if codec_state is not None:
             residuals = {"residuals": residuals or {}, "compression": codec_state}
-        if per_rank or opt.rank == 0:
-            name = f"dp-{generation}-state-rank{opt.rank}.pt"
+        if per_rank or sharded or opt.rank == 0:
+            kind = "shard" if sharded else "state"
+            name = f"dp-{generation}-{kind}-rank{opt.rank}.pt"
             write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
             written.append(name)
         if residuals is not None:
@@ -110,6 +113,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         "optimizer_class": opt.optimizer_class.__name__,
         "world_size": opt.world_size,
         "state_per_rank": per_rank,
+        "shard": opt.shard,
         "residuals": opt._codec.error_feedback or opt._codec.state_dict() is not None,
     }
     error = None
@@ -159,10 +163,13 @@ def load(opt: Any, path: str) -> None:
                 f"{opt.world_size}: its state or residuals are per rank)"
             )
         generation = manifest["generation"]
-        source = opt.rank if manifest["state_per_rank"] else 0
-        sd = torch.load(
-            os.path.join(path, f"dp-{generation}-state-rank{source}.pt"), weights_only=True
-        )
+        if manifest.get("shard"):
+            sd = _join_shards(opt, path, manifest)
+        else:
+            source = opt.rank if manifest["state_per_rank"] else 0
+            sd = torch.load(
+                os.path.join(path, f"dp-{generation}-state-rank{source}.pt"), weights_only=True
+            )
         if manifest["residuals"]:
             part = torch.load(
                 os.path.join(path, f"dp-{generation}-residuals-rank{opt.rank}.pt"),
@@ -184,6 +191,45 @@ def load(opt: Any, path: str) -> None:
         )
     loader()
     logger.info("rank %d: loaded %s", opt.rank, path)
+
+
+def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """The state this rank needs, in torch.optim's format, from a sharded checkpoint of any
+    world size: whole parameters, joined from every shard file that holds a piece of one
+    (read memory-mapped); each piece is checked to be there exactly once."""
+    trained = {i: p for b in opt._buckets for i, p in zip(b.positions, b.params)}
+    needed = set(opt._piece_index()) if opt.shard is not None else set(trained)
+    parts: Dict[int, List[Any]] = {}
+    groups = None
+    for r in range(manifest["world_size"]):
+        name = os.path.join(path, f"dp-{manifest['generation']}-shard-rank{r}.pt")
+        part = torch.load(name, weights_only=True, mmap=True)
+        groups = part["param_groups"]
+        for i, (a, b) in part["pieces"].items():
+            if i in needed:
+                parts.setdefault(i, []).append((a, b, part["state"].get(i), name))
+    state = {}
+    for i in sorted(needed):
+        ps = sorted(parts.get(i, []), key=lambda t: t[0])
+        n = trained[i].numel()
+        bounds = [(a, b) for a, b, _, _ in ps]
+        starts = [0] + [b for _, b in bounds[:-1]]
+        if not ps or [a for a, _ in bounds] != starts or bounds[-1][1] != n:
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: the pieces of parameter {i}'s state "
+                f"{[(a, b, os.path.basename(f)) for a, b, _, f in ps]} do not cover its "
+                f"{n} elements exactly once"
+            )
+        stepped = [e is not None for _, _, e, _ in ps]
+        if any(stepped) != all(stepped):
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: parameter {i} has state in some of its pieces "
+                f"only ({[os.path.basename(f) for _, _, e, f in ps if e is None]} lack it)"
+            )
+        if all(stepped):
+            state[i] = _shard.merge_pieces([(a, b, e) for a, b, e, _ in ps], trained[i].shape,
+                                           manifest["shard"] == "flat")
+    return {"state": state, "param_groups": groups}
 
 
 def _write_bytes(name: str, data: bytes) -> None:

@@ -27,6 +27,7 @@ from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.local_optimizer import CompiledLocalOptimizer
 from distopt.param_groups import as_keywords, pending_changes, snapshot
 from distopt.parallel import checkpoint as _checkpoint
+from distopt.parallel import shard as _shard
 from distopt.parallel.buckets import Bucket, assign_buckets
 from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.reducer import GradientReducer
@@ -81,6 +82,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         overlap: step each bucket as soon as its reduction arrives, during backward
             (compiled classes; eager ones overlap only the reduction). Set False to step
             after the last bucket, for instance to clip gradients first.
+        shard: None (every rank holds all the optimizer state), ``"param"`` (each rank
+            holds the state of whole parameters, about 1/W of it: the choice for
+            Adafactor and Muon) or ``"flat"`` (1/W of each bucket's elements; elementwise
+            classes): each rank steps its share and the parameters are all-gathered, bucket
+            by bucket (``distopt.parallel.shard``). Compiled classes only.
         **kwargs: the optimizer's keyword arguments.
 
     Raises:
@@ -99,6 +105,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         sync: Optional[RoundRobin] = None,
         overlap: bool = True,
+        shard: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         eager = optimizer_class not in functional_optim_map or not _torch.jit_enabled()
@@ -110,6 +117,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 f"dense buckets)"
             )
         _check_options(bucket_cap_mb, compression, backward_passes_per_step, sync, overlap)
+        _check_shard(shard, optimizer_class, eager, sync)
         group, rank, world_size = _group_info(process_group)
         groups = _param_groups(params)
         check_arguments(optimizer_class, args, kwargs, groups)
@@ -123,6 +131,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self.compression = compression
         self.sync = sync
         self.overlap = overlap
+        self.shard = shard
         self.backward_passes_per_step = backward_passes_per_step
         self.is_functional_optim = not eager
         self.defaults = inner.defaults
@@ -152,6 +161,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
         self._check_same_everywhere(all_params, group_of, bucket_cap_mb)
         self._broadcast_parameters(all_params)
+        if shard is not None:
+            pieces = _shard.split(self._buckets, world_size, shard,
+                                  [b.buffer.element_size() for b in self._buckets])
+            for bucket, parts in zip(self._buckets, pieces):
+                bucket.shard = _shard.Shard(bucket, parts, rank, whole=shard == "param")
 
         # One functional optimizer per (bucket, param group): a bucket steps on its own.
         self._units_of_group: List[List[int]] = [[] for _ in self.param_groups]
@@ -160,16 +174,21 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         unit_options: List[Dict[str, Any]] = []
         for bucket in self._buckets:
             bucket.units = []
-            slots_by_group: Dict[int, List[int]] = {}
-            for slot, i in enumerate(bucket.positions):
-                slots_by_group.setdefault(group_of[i], []).append(slot)
-            for j, slots in sorted(slots_by_group.items()):
+            if shard is None:
+                members = list(zip(range(len(bucket.params)), bucket.params, bucket.grads))
+            else:  # this rank's pieces: views of the shard's buffer
+                sh = bucket.shard
+                members = [(pc.slot, v, g) for pc, v, g in zip(sh.own, sh.views, sh.grads)]
+            by_group: Dict[int, List[Any]] = {}
+            for member in members:
+                by_group.setdefault(group_of[bucket.positions[member[0]]], []).append(member)
+            for j, ms in sorted(by_group.items()):
                 u = len(unit_params)
-                unit_params.append([bucket.params[s] for s in slots])
-                unit_indices.append([bucket.positions[s] for s in slots])
+                unit_params.append([t for _, t, _ in ms])
+                unit_indices.append([bucket.positions[slot] for slot, _, _ in ms])
                 unit_options.append(options[j])
                 self._units_of_group[j].append(u)
-                bucket.units.append((u, slots, [bucket.grads[s] for s in slots]))
+                bucket.units.append((u, [slot for slot, _, _ in ms], [g for _, _, g in ms]))
         self._local: Optional[CompiledLocalOptimizer] = None
         if not eager and unit_params:
             fargs, fkwargs = as_keywords(optimizer_class, args, kwargs)
@@ -200,10 +219,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 _check_group_unshared(group)
                 self._comm_group = group
             self._codec = codec.bound(self._comm_group, rank, world_size, self._buckets)
+            gathers = shard is not None and overlap
             self._reducer = GradientReducer(
                 self._buckets, self._codec, self._comm_group, rank, world_size,
                 backward_passes_per_step,
                 _weak_call(self._before_reduction), _weak_call(self._on_reduced),
+                _gather_on(self._comm_group) if gathers else None,
+                _store if gathers else None,
             )
         _claim(all_params, self)
         self._warned_late_change = False
@@ -310,6 +332,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def _step_bucket(self, bucket: Bucket) -> None:
         unused = set(getattr(bucket, "unused", ()))
+        if self.shard is not None:
+            bucket.shard.load()
+            if not bucket.units:
+                return
         step = self._local.module.step_group
         for u, slots, grads in bucket.units:
             if unused:
@@ -322,6 +348,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             return
         for bucket in self._buckets:
             self._step_bucket(bucket)
+        if self.shard is not None:
+            self._gather_all()
+
+    def _gather_all(self) -> None:
+        """Gather every bucket's updated pieces (after a step outside backward)."""
+        gather = _gather_on(self._comm_group)
+        works = [gather(bucket) for bucket in self._buckets]
+        for bucket, work in zip(self._buckets, works):
+            _store(bucket, work)
 
     def _local_step_and_average(self) -> None:
         """``RoundRobin``: step on this rank's gradients, then average one partition."""
@@ -423,7 +458,14 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
-        (global index -> this rank's residual), with ``RoundRobin`` ``"sync"``."""
+        (global index -> this rank's residual), with ``RoundRobin`` ``"sync"``, with
+        PowerSGD ``"compression"``. Sharded, every rank's pieces are gathered first (a
+        collective: every rank of ``process_group`` calls it, between steps)."""
+        return self._state_dict(gather=True)
+
+    def _state_dict(self, gather: bool) -> Dict[str, Any]:
+        """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
+        ``"state"``, and where they lie under ``"pieces"`` (global index -> (start, stop))."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if self._eager is not None:
@@ -433,7 +475,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             for g in self.param_groups:
                 indices.append(list(range(start, start + len(g["params"]))))
                 start += len(g["params"])
-            state = self._local.torch_state() if self._local is not None else {}
+            state = self._gathered_state() if gather or self.shard is None else (
+                self._local.torch_state(copy=False) if self._local is not None else {}
+            )
             sd = {
                 "state": dict(sorted(state.items())),
                 "param_groups": [
@@ -447,6 +491,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 for b in self._buckets
                 for i, p, o in zip(b.positions, b.params, b.offsets)
             }
+        if not gather and self.shard is not None:
+            sd["pieces"] = {i: (a, b) for i, (a, b, _) in self._piece_index().items()}
         extra = self._codec.state_dict()
         if extra is not None:
             sd["compression"] = extra
@@ -521,6 +567,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     check_hyperparameter(
                         self.optimizer_class, key, saved[key], f"state_dict param group {j}"
                     )
+        if self.shard is not None:
+            state = self._own_pieces_of(state, saved_ids)
         if self._local is not None:
             self._local.check_torch_state(state)
 
@@ -540,6 +588,71 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._load_extras(residuals, rounds)
             load_codec()
         return load_compiled
+
+    def _gathered_state(self) -> Dict[int, Dict[str, Any]]:
+        """The whole state in torch.optim's format, keyed by global index; sharded, every
+        rank's pieces are gathered (one all_gather_object) and joined."""
+        mine = self._local.torch_state() if self._local is not None else {}
+        if self.shard is None:
+            return mine
+        pieces = self._piece_index()
+        mine = {i: (pieces[i][0], pieces[i][1], entry) for i, entry in mine.items()}
+        every: List[Any] = [mine]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine, group=self.process_group)
+        parts: Dict[int, List[Any]] = {}
+        for theirs in every:
+            for i, part in theirs.items():
+                parts.setdefault(i, []).append(part)
+        shapes = {i: p.shape for b in self._buckets for i, p in zip(b.positions, b.params)}
+        flat = self.shard == "flat"
+        return {i: _shard.merge_pieces(ps, shapes[i], flat) for i, ps in parts.items()}
+
+    def _piece_index(self) -> Dict[int, Any]:
+        """Global index -> (start, stop, shape of its state tensors) of this rank's pieces."""
+        return {
+            b.positions[pc.slot]: (pc.start, pc.stop, v.shape)
+            for b in self._buckets for pc, v in zip(b.shard.own, b.shard.views)
+        }
+
+    def _own_pieces_of(self, state: Dict[int, Dict[str, Any]], saved_ids: List[Any]) -> Dict[int, Dict[str, Any]]:
+        """This rank's pieces of a whole state (torch.optim's format, global index keys)."""
+        params = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
+        out = {}
+        for i, want in self._piece_index().items():
+            if i in state:
+                p = params[i]
+                out[i] = _shard.cut_state(state[i], (0, p.numel(), p.shape), want,
+                                          f"state_dict['state'][{saved_ids[i]!r}]")
+        return out
+
+    def state_bytes(self) -> int:
+        """The bytes of optimizer state this rank holds (its shard, when sharded): every
+        state tensor, step counts included; not the gradient buckets or residuals."""
+        if self._eager is not None:
+            entries = list(self._eager.state.values())
+        else:
+            entries = list(self._local.torch_state(copy=False).values()) if self._local else []
+        return sum(v.numel() * v.element_size() for e in entries for v in e.values()
+                   if isinstance(v, Tensor))
+
+    def bytes_per_step(self) -> float:
+        """The payload bytes this rank sends per step: the reduction's model
+        (``Compression.bytes_per_step``) plus, sharded, the gathers of the parameters.
+
+        Raises:
+            ValueError: the compression's bytes depend on the gradients (Threshold).
+        """
+        total = 0.0
+        by_dtype: Dict[torch.dtype, List[Any]] = {}
+        for b in self._buckets:
+            by_dtype.setdefault(b.dtype, []).append((b.numel, len(b.params)))
+        for dtype, numels in by_dtype.items():
+            total += self._codec.bytes_per_step(numels, dtype, self.world_size)
+        if self.shard is not None:
+            total += sum(b.shard.gathered_bytes(self.world_size) for b in self._buckets)
+        return total
 
     def _load_extras(self, residuals: Dict[int, Tensor], rounds: int) -> None:
         for b in self._buckets:
@@ -644,7 +757,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
              for p, j in zip(params, group_of)],
             [sorted((k, repr(v)) for k, v in g.items() if k != "params")
              for g in self.param_groups],
-            float(bucket_cap_mb), repr(self.compression), repr(self.sync),
+            float(bucket_cap_mb), repr(self.compression), repr(self.sync), self.shard,
             self.backward_passes_per_step, self.optimizer_class.__name__,
         ))
         mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64,
@@ -660,7 +773,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     f"DataParallelOptimizer from {theirs[0]} parameters, rank 0 from "
                     f"{first[0]}, and their shapes, dtypes, requires_grad, param groups, "
                     f"hyper-parameters (lr, momentum, ...) or options (bucket_cap_mb, "
-                    f"compression, sync, backward_passes_per_step, optimizer class) differ "
+                    f"compression, sync, shard, backward_passes_per_step, optimizer class) differ "
                     f"(expected the same model and arguments on every rank)"
                 )
 
@@ -747,6 +860,41 @@ def _weak_call(method: Any) -> Callable[..., Any]:
         return None if bound is None else bound(*args)
 
     return call
+
+
+def _gather_on(group: Any) -> Callable[[Bucket], Any]:
+    def gather(bucket: Bucket) -> Any:
+        return bucket.shard.gather(group)
+
+    return gather
+
+
+def _store(bucket: Bucket, work: Any) -> None:
+    work.wait()
+    bucket.shard.store()
+
+
+def _check_shard(shard: Any, optimizer_class: type, eager: bool, sync: Any) -> None:
+    if shard is None:
+        return
+    if shard not in _shard.MODES:
+        raise ValueError(f"Invalid shard: {shard!r} (expected None, 'param' or 'flat')")
+    if sync is not None:
+        raise ValueError(
+            f"Invalid shard: {shard!r} with sync={sync!r} (expected None: RoundRobin steps "
+            f"every parameter on every rank)"
+        )
+    if eager:
+        raise ValueError(
+            f"Invalid shard: {shard!r} for {getattr(optimizer_class, '__name__', optimizer_class)}"
+            f", which has no functional twin (expected one of functional_optim_map's classes "
+            f"and TorchScript on: sharded state is stepped by the compiled functional optimizer)"
+        )
+    if shard == "flat" and optimizer_class.__name__ in _shard.SHAPED:
+        raise ValueError(
+            f"Invalid shard: 'flat' for {optimizer_class.__name__}, whose update depends on "
+            f"each parameter's shape (expected shard='param', which keeps parameters whole)"
+        )
 
 
 def _dense_grad(bucket: Bucket, slot: int) -> Optional[Tensor]:

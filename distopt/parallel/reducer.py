@@ -11,6 +11,12 @@ from gloo's callback threads, aborts when it is not). A second thread waits for 
 reduction, leaves the average in the bucket (so in ``.grad``) and calls ``on_reduced``,
 which may step the bucket's parameters at once, while backward goes on.
 
+With sharded state, the communication thread also issues each bucket's gather of the
+updated parameters, right after the next bucket's reduction (the last bucket's after its
+own), once the finishing thread has stepped it: a fixed interleaving, so the order is the
+same on every rank; the finishing thread waits for each gather in turn and copies the
+parameters out. A bucket is done when its parameters are back.
+
 At the end of the reducing pass (the autograd engine's final callback) parameters the pass
 did not reach are flushed: their accumulated gradient, or zeros, goes in, and their flags
 say whether this rank used them at all; then the callback waits for every bucket, so that
@@ -56,6 +62,10 @@ class GradientReducer:
             once per window, before its first bucket is handed over; may raise.
         on_reduced: called on the finishing thread with each reduced bucket and the
             positions (in the bucket) of parameters no rank gave a gradient.
+        gather: sharded state (``distopt.parallel.shard``): called on the communication
+            thread with a bucket that ``on_reduced`` has stepped, starts the gather of its
+            parameters and returns what ``store`` needs; None: no gathers.
+        store: called on the finishing thread with the bucket and what ``gather`` returned.
 
     Attributes:
         no_sync: backward passes while it is True accumulate and do not count.
@@ -72,6 +82,8 @@ class GradientReducer:
         passes_per_step: int,
         before_reduction: Callable[[], None],
         on_reduced: Callable[[Bucket, List[int]], None],
+        gather: Optional[Callable[[Bucket], Any]] = None,
+        store: Optional[Callable[[Bucket, Any], None]] = None,
     ) -> None:
         self.buckets = buckets
         self.codec = codec
@@ -81,6 +93,8 @@ class GradientReducer:
         self.passes_per_step = passes_per_step
         self.before_reduction = before_reduction
         self.on_reduced = on_reduced
+        self.gather = gather
+        self.store = store
         self.no_sync = False
         self.reducing = False
         self._pass = 0
@@ -93,10 +107,12 @@ class GradientReducer:
         self._pass_reduces = False
         self._passes = 0
         self._done = 0
+        self._reduced = 0
         self._error: Optional[Tuple[str, BaseException]] = None
         self._cond = threading.Condition()
         self._ready: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
-        self._issued: "queue.SimpleQueue[Optional[Tuple[Bucket, Any]]]" = queue.SimpleQueue()
+        # (is a gather, bucket, what finishing it needs), in issue order
+        self._issued: "queue.SimpleQueue[Optional[Tuple[bool, Bucket, Any]]]" = queue.SimpleQueue()
         self._threads: List[threading.Thread] = []
         self._handles = []
         ref = weakref.ref(self)
@@ -213,7 +229,7 @@ class GradientReducer:
         while issued < len(self.buckets) and self.buckets[issued].launched:
             issued += 1
         with self._cond:
-            while self._done < issued and self._error is None:
+            while self._reduced < issued and self._error is None:
                 self._cond.wait()
 
     def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
@@ -292,6 +308,7 @@ class GradientReducer:
     def reset(self) -> None:
         """Start the next window."""
         self._done = 0
+        self._reduced = 0
         self._passes = 0
         self.reducing = False
         self._broken = False
@@ -315,10 +332,21 @@ class GradientReducer:
                 logger.error("rank %d: %s failed: %s", self.rank, what, exc)
             self._cond.notify_all()
 
-    def bucket_done(self) -> None:
+    def bucket_done(self, reduced: bool) -> None:
+        """A bucket was reduced (and stepped, if it steps here), or is finished."""
         with self._cond:
-            self._done += 1
+            if reduced:
+                self._reduced += 1
+            if not reduced or self.gather is None:
+                self._done += 1
             self._cond.notify_all()
+
+    def wait_reduced(self, count: int) -> bool:
+        """Wait until ``count`` buckets of this window are reduced; False on an error."""
+        with self._cond:
+            while self._reduced < count and self._error is None:
+                self._cond.wait()
+            return self._error is None
 
     def close(self) -> None:
         """Remove the hooks and stop the threads (after the collectives in flight)."""
@@ -391,12 +419,34 @@ def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[
                 reducer.fail(f"starting the reduction of {_describe(bucket)}", exc)
                 del reducer, bucket
                 return
-            reducer._issued.put((bucket, pending))
+            reducer._issued.put((False, bucket, pending))
+            if reducer.gather is not None:
+                # Each bucket's gather right after the next bucket's reduction (the last one
+                # after its own): the same order on every rank, whatever the timing.
+                last = following == len(reducer.buckets) - 1
+                for k in ([following - 1] if following else []) + ([following] if last else []):
+                    if not _issue_gather(reducer, k):
+                        del reducer, bucket
+                        return
             arrived.discard(following)
             following += 1
         if following == len(reducer.buckets):
             following = 0
         del reducer
+
+
+def _issue_gather(reducer: GradientReducer, k: int) -> bool:
+    """Start bucket ``k``'s gather once it is stepped; False (and stop) on an error."""
+    if not reducer.wait_reduced(k + 1):
+        return False
+    bucket = reducer.buckets[k]
+    try:
+        pending = reducer.gather(bucket)
+    except BaseException as exc:  # noqa: B902 - reported by step()
+        reducer.fail(f"starting the gather of {_describe(bucket)}", exc)
+        return False
+    reducer._issued.put((True, bucket, pending))
+    return True
 
 
 def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]") -> None:
@@ -408,9 +458,14 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
         reducer = ref()
         if reducer is None:
             return
-        bucket, pending = item
-        what = f"the reduction of {_describe(bucket)}"
+        gathered, bucket, pending = item
+        what = f"the {'gather' if gathered else 'reduction'} of {_describe(bucket)}"
         try:
+            if gathered:
+                reducer.store(bucket, pending)
+                reducer.bucket_done(False)
+                del reducer, bucket, pending, item
+                continue
             reducer.codec.finish(pending, bucket, reducer.world_size)
             unused = [k for k, f in enumerate(bucket.flags.tolist()) if f == 0]
             for k in unused:
@@ -421,7 +476,7 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
             reducer.fail(what, exc)
             del reducer, bucket, pending, item
             return
-        reducer.bucket_done()
+        reducer.bucket_done(True)
         del reducer, bucket, pending, item
 
 

@@ -10,7 +10,8 @@ from tests.examples.test_examples import run_example
 #: The final loss must be below this fraction of the first step's (it falls from about 1.05
 #: to about 0.15 in 300 steps with every configuration here).
 FALLS_TO = 0.25
-#: gloo's headers on top of the payload, per step: one bucket, one collective here.
+#: gloo's headers on top of the payload, per step and collective: one bucket here, one
+#: collective (two sharded: the reduction and the gather).
 HEADER_BYTES = 1024
 
 
@@ -33,6 +34,7 @@ CASES = {
     "default": [],
     "topk": ["--steps", "300", "--compression", "topk"],
     "roundrobin": ["--steps", "300", "--sync-k", "2", "--backward-passes", "2"],
+    "shard": ["--steps", "300", "--shard", "flat"],
 }
 
 
@@ -45,13 +47,20 @@ def test_data_parallel_loss_falls(extra: List[str]) -> None:
     assert result["sent"] and all(b > 0 for b in result["sent"]), out
     if result["modelled"] is not None:
         # wchar counts the payload plus gloo's headers, nothing else in the measured window.
+        headers = HEADER_BYTES * (2 if "--shard" in extra else 1)
         for sent in result["sent"]:
-            assert result["modelled"] <= sent <= result["modelled"] + HEADER_BYTES, out
+            assert result["modelled"] <= sent <= result["modelled"] + headers, out
     if "topk" in extra:
         assert "compression=TopK(0.01" in out, out
         params = int(re.search(r"(\d+) parameters in", out).group(1))
         # 1% of the gradients as (int32 index, float32 value) pairs: 2% of the dense bytes.
         assert max(result["sent"]) < 0.03 * 4 * params, out
+    if "--shard" in extra:
+        assert "shard='flat'" in out, out
+        held = [int(b) for b in re.search(r"optimizer state per rank: \[(\d+), (\d+)\]", out).groups()]
+        # AdamW: two moments of 4 bytes per element, about half of them on each rank.
+        params = int(re.search(r"(\d+) parameters in", out).group(1))
+        assert sum(held) >= 8 * params and max(held) <= 0.51 * 8 * params + 1024, (held, out)
     if "--sync-k" in extra:
         assert "sync=RoundRobin(2)" in out, out
         assert result["modelled"] is None, out

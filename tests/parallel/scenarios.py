@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, Threshold, TopK
 from distopt.parallel import compression as compression_module
-from distopt.parallel.compression import dense_reduction
 from distopt.parallel.sync import partition
 from tests.parallel.ranks import SMALL_BUCKETS_MB, data, flat_params, loss_of, make_model
 
@@ -37,6 +36,9 @@ def bytes_per_step(rank: int, world_size: int) -> Dict[str, Any]:
         "bf16": {"compression": Cast(torch.bfloat16)},
         "topk": {"compression": TopK(0.01)},
         "roundrobin": {"sync": RoundRobin(2)},
+        "shard-param": {"shard": "param"},
+        "shard-flat": {"shard": "flat"},
+        "shard-flat-bf16": {"shard": "flat", "compression": Cast(torch.bfloat16)},
     }
     for name, options in configs.items():
         torch.manual_seed(0)
@@ -60,10 +62,7 @@ def bytes_per_step(rank: int, world_size: int) -> Dict[str, Any]:
                 # Parameter + exp_avg + exp_avg_sq, one all_reduce.
                 modelled.append(2.0 * (world_size - 1) / world_size * numel * 3 * 4)
             else:
-                codec = opt.compression or dense_reduction()
-                modelled.append(codec.bytes_per_step(
-                    [(b.numel, len(b.params)) for b in opt._buckets], torch.float32, world_size
-                ))
+                modelled.append(opt.bytes_per_step())
         out[name] = {"measured": measured, "modelled": modelled, "buckets": len(opt._buckets)}
         opt.close()
     return out

@@ -25,7 +25,10 @@ def sent_bytes():
     return run_world(scenarios.bytes_per_step, 2)
 
 
-@pytest.mark.parametrize("name", ["plain", "fp16", "bf16", "topk", "roundrobin"])
+@pytest.mark.parametrize(
+    "name", ["plain", "fp16", "bf16", "topk", "roundrobin", "shard-param", "shard-flat",
+             "shard-flat-bf16"]
+)
 def test_bytes_per_step_match_the_model(sent_bytes, name):
     for rank in range(2):
         result = sent_bytes[rank][name]
@@ -39,6 +42,8 @@ def test_compressed_steps_send_less(sent_bytes):
     assert sent_bytes[0]["plain"]["buckets"] >= 2
     assert sent_bytes[0]["fp16"]["measured"][0] < 0.51 * plain
     assert sent_bytes[0]["topk"]["measured"][0] < 0.03 * plain
+    # Sharded at 2 ranks: the all_reduce, then each rank sends its half of the parameters.
+    assert sent_bytes[0]["shard-flat"]["measured"][0] == pytest.approx(1.5 * plain, rel=0.01)
     # RoundRobin(2) with Adam: each parameter and its two state tensors once per 2 steps.
     assert sum(sent_bytes[0]["roundrobin"]["measured"][:2]) == pytest.approx(3 * plain, rel=0.01)
 

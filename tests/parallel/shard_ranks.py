@@ -1,0 +1,264 @@
+"""What each rank runs in the sharded-state tests (``shard="param"`` / ``"flat"``).
+
+The reference for every number is the unsharded DataParallelOptimizer with the same
+options (its parity with torch.optim is tested in test_parity.py): sharding must not change
+a bit of the parameters or of the state_dict.
+"""
+import math
+import os
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from distopt.parallel import Cast, DataParallelOptimizer, TopK
+from tests.parallel.cases import CASES
+from tests.parallel.ranks import eager_class, flat_params
+
+#: Buckets of at most 1,200 float32 elements: the model below has four, one holding
+#: several parameters, and the "flat" cuts fall inside parameters of 1,961 and 1,537.
+BUCKETS_MB = 1200 * 4 / 2**20
+SHAPED = ("Adafactor", "Muon")
+
+
+def make_model(biases: bool = True, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(37, 53, bias=biases), torch.nn.Tanh(),
+        torch.nn.Linear(53, 29, bias=biases), torch.nn.Tanh(),
+        torch.nn.Linear(29, 1, bias=biases),
+    )
+
+
+def batch(rank: int, world_size: int, step: int, n: int = 8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 37, generator=g)
+    return x, x[:, :1].tanh() - 0.5 * x[:, 1:2]
+
+
+def groups(model: torch.nn.Module, lr: float) -> List[Dict[str, Any]]:
+    first = list(model[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    return [{"params": first}, {"params": rest, "lr": lr / 2}]
+
+
+def train(opt, model, rank, world_size, steps, first=0, scheduler=None, passes=1, clip=None):
+    for step in range(first, first + steps):
+        for k in range(passes):
+            x, y = batch(rank, world_size, 10 * step + k)
+            ((model(x) - y) ** 2).mean().backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _state_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    if a["state"].keys() != b["state"].keys():
+        return False
+    for i, entry in a["state"].items():
+        other = b["state"][i]
+        if entry.keys() != other.keys():
+            return False
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                if value.shape != other[key].shape or not torch.equal(value, other[key]):
+                    return False
+            elif value != other[key]:
+                return False
+    return True
+
+
+def parity(rank: int, world_size: int, steps: int, overlaps: List[bool]) -> Dict[str, Any]:
+    """Every class, sharded each way it can be, against the unsharded optimizer."""
+    out: Dict[str, Any] = {}
+    for cls, kwargs in CASES:
+        biases = cls is not torch.optim.Muon
+        model = make_model(biases)
+        ref = DataParallelOptimizer(cls, groups(model, kwargs["lr"]), bucket_cap_mb=BUCKETS_MB,
+                                    **kwargs)
+        train(ref, model, rank, world_size, steps)
+        ref_params, ref_state = flat_params(model), ref.state_dict()
+        total = ref.state_bytes()
+        largest = max(
+            sum(v.numel() * v.element_size() for v in e.values() if isinstance(v, torch.Tensor))
+            for e in ref._local.torch_state(copy=False).values()
+        )
+        ref.close()
+        for shard in ("param", "flat"):
+            if shard == "flat" and cls.__name__ in SHAPED:
+                continue
+            for overlap in overlaps:
+                model = make_model(biases)
+                opt = DataParallelOptimizer(
+                    cls, groups(model, kwargs["lr"]), bucket_cap_mb=BUCKETS_MB, shard=shard,
+                    overlap=overlap, **kwargs,
+                )
+                train(opt, model, rank, world_size, steps)
+                out[f"{cls.__name__}/{shard}/{overlap}"] = {
+                    "params": flat_params(model),
+                    "exact": bool(torch.equal(flat_params(model), ref_params)),
+                    "state_exact": _state_equal(opt.state_dict(), ref_state),
+                    "state_bytes": opt.state_bytes(),
+                    "total": total,
+                    "largest": largest,
+                    "buckets": len(opt._buckets),
+                    "cut_inside": any(pc.start > 0 for b in opt._buckets
+                                      for part in b.shard.pieces for pc in part),
+                }
+                opt.close()
+    return out
+
+
+def features(rank: int, world_size: int) -> Dict[str, Any]:
+    """Accumulation, a scheduler, compression, clipping, an unused parameter and a
+    non-contiguous parameter, sharded both ways, against the unsharded optimizer with the same options."""
+    configs = {
+        "accumulate": {"backward_passes_per_step": 2},
+        "scheduler": {},
+        "bf16": {"compression": Cast(torch.bfloat16)},
+        "topk": {"compression": TopK(0.1)},
+        "no-overlap": {"overlap": False},
+        "clip": {"overlap": False},
+    }
+    out: Dict[str, Any] = {}
+    for name, options in configs.items():
+        results = {}
+        for shard in (None, "param", "flat"):
+            model = make_model()
+            opt = DataParallelOptimizer(torch.optim.AdamW, groups(model, 1e-2), lr=1e-2,
+                                        bucket_cap_mb=BUCKETS_MB, shard=shard, **options)
+            scheduler = None
+            if name == "scheduler":
+                scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            train(opt, model, rank, world_size, 6, scheduler=scheduler,
+                  passes=options.get("backward_passes_per_step", 1),
+                  clip=0.05 if name == "clip" else None)
+            results[shard] = (flat_params(model), opt.state_dict())
+            opt.close()
+        out[name] = {
+            shard: bool(torch.equal(results[shard][0], results[None][0]))
+            and _state_equal(results[shard][1], results[None][1])
+            for shard in ("param", "flat")
+        }
+    # Parameters no rank uses (model[2], idle), and one laid out transposed.
+    results = {}
+    for shard in (None, "param", "flat"):
+        torch.manual_seed(0)
+        model = make_model()
+        odd = torch.nn.Parameter(torch.randn(29, 53).t())  # 53 x 29, strides (1, 53)
+        idle = torch.nn.Parameter(torch.randn(70))
+        opt = DataParallelOptimizer(torch.optim.SGD, list(model.parameters()) + [odd, idle],
+                                    lr=1e-2, momentum=0.9, bucket_cap_mb=BUCKETS_MB, shard=shard)
+        for step in range(4):
+            x, y = batch(rank, world_size, step)
+            h = model[1](model[0](x))
+            ((model[4](model[3](h @ odd)) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results[shard] = (torch.cat([flat_params(model), odd.detach().reshape(-1),
+                                     idle.detach()]), opt.state_dict())
+        assert not odd.is_contiguous()
+        opt.close()
+    out["odd"] = {
+        shard: bool(torch.equal(results[shard][0], results[None][0]))
+        and _state_equal(results[shard][1], results[None][1])
+        # model[2] (skipped by the forward above) and ``idle`` have no state
+        and sorted(results[shard][1]["state"]) == [0, 1, 4, 5, 6]
+        for shard in ("param", "flat")
+    }
+    return out
+
+
+def save(rank: int, world_size: int, path: str, shard: str) -> Dict[str, Any]:
+    """Train 3 steps sharded, save, train 3 more; the state_dict at the save and after."""
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
+                                bucket_cap_mb=BUCKETS_MB, shard=shard)
+    empty = opt.state_dict()  # at any time: before the first step too
+    assert empty["state"] == {} and [g["lr"] for g in empty["param_groups"]] == [1e-2, 5e-3]
+    train(opt, model, rank, world_size, 3)
+    manifest = opt.save(path)
+    saved = opt.state_dict()
+    out = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "saved": saved,
+           "files": sorted(os.listdir(path)), "manifest": manifest}
+    opt.close()
+    return out
+
+
+def resume(rank: int, world_size: int, path: str, model_state: Dict[str, Any],
+           saved: Dict[str, Any]) -> Dict[str, Any]:
+    """Load a checkpoint saved by another world size into "flat", "param" and unsharded
+    optimizers; each equals the saved state, and all three then train alike."""
+    out = {}
+    for shard in ("flat", "param", None):
+        model = make_model()
+        model.load_state_dict(model_state)
+        opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
+                                    bucket_cap_mb=BUCKETS_MB, shard=shard)
+        opt.load(path)
+        loaded = _state_equal(opt.state_dict(), saved)
+        train(opt, model, rank, world_size, 3, first=3)
+        out[str(shard)] = {"loaded": loaded, "params": flat_params(model)}
+        opt.close()
+    return out
+
+
+def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
+    model = make_model()
+    calls = {
+        "mode": lambda: DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
+                                              shard="rows"),
+        "flat-adafactor": lambda: DataParallelOptimizer(torch.optim.Adafactor,
+                                                        model.parameters(), shard="flat"),
+        "eager": lambda: DataParallelOptimizer(eager_class(torch.optim.SGD), model.parameters(),
+                                               lr=0.1, shard="param"),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def load_refuses_gaps(rank: int, world_size: int, path: str) -> str:
+    """A shard file of the checkpoint is replaced by one missing a piece: load refuses on
+    every rank and nothing changes."""
+    model = make_model()
+    opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2,
+                                bucket_cap_mb=BUCKETS_MB, shard="flat")
+    train(opt, model, rank, world_size, 2)
+    manifest = opt.save(path)
+    before = opt.state_dict()
+    if rank == 0:
+        name = os.path.join(path, f"dp-{manifest['generation']}-shard-rank1.pt")
+        part = torch.load(name, weights_only=True)
+        dropped = next(iter(part["pieces"]))
+        del part["pieces"][dropped]
+        torch.save(part, name)
+    dist.barrier()
+    try:
+        opt.load(path)
+        message = ""
+    except ValueError as exc:
+        message = str(exc)
+    assert _state_equal(opt.state_dict(), before)
+    opt.close()
+    return message
+
+
+def memory_bound(total: int, largest: int, world_size: int, shard: str, buckets: int,
+                 params: int) -> int:
+    """The most state bytes one rank may hold: ceil(S / W) plus, "param", the largest
+    parameter's state; "flat", per bucket the 64 elements a cut may move (ALIGN; 8 bytes of
+    state per element for these classes at most), and the 0-dim state (step, mu_product,
+    eta, mu: 16 bytes at most) of every piece, which a parameter cut in two has twice and a
+    rank may hold for more parameters than its share."""
+    bound = math.ceil(total / world_size)
+    if shard == "param":
+        return bound + largest
+    return bound + buckets * 64 * 8 + 16 * (params + 2 * buckets)

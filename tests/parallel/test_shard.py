@@ -1,0 +1,89 @@
+"""Sharded optimizer state (``shard="param"`` / ``"flat"``): exact, smaller, reshardable.
+
+Every check compares with the unsharded DataParallelOptimizer given the same options, bit
+for bit: parameters on every rank and the gathered state_dict.
+"""
+import pytest
+import torch
+
+from tests.parallel import shard_ranks
+from tests.parallel.cases import CASE_IDS
+from tests.parallel.world import run_world
+
+STEPS = 6
+KEYS = [(name, shard) for name in CASE_IDS for shard in ("param", "flat")
+        if not (shard == "flat" and name in shard_ranks.SHAPED)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_world(shard_ranks.parity, 2, STEPS, [True, False])
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_world(shard_ranks.parity, 3, STEPS, [True])
+
+
+def _check(results, key, world_size):
+    first = results[0][key]
+    assert first["buckets"] >= 3
+    for r in range(world_size):
+        assert results[r][key]["exact"], f"{key}: rank {r} differs from the unsharded run"
+        assert results[r][key]["state_exact"], f"{key}: rank {r}'s state_dict differs"
+        assert torch.equal(results[r][key]["params"], first["params"])
+    shard = key.split("/")[1]
+    for r in range(world_size):
+        res = results[r][key]
+        bound = shard_ranks.memory_bound(res["total"], res["largest"], world_size, shard,
+                                         res["buckets"], 6)
+        assert res["state_bytes"] <= bound, (key, r, res["state_bytes"], bound, res["total"])
+    held = sum(results[r][key]["state_bytes"] for r in range(world_size))
+    assert held >= first["total"]  # every element's state is somewhere
+    if shard == "flat":
+        assert first["cut_inside"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("name,shard", KEYS)
+def test_two_ranks_equal_unsharded(two_ranks, name, shard, overlap):
+    _check(two_ranks, f"{name}/{shard}/{overlap}", 2)
+
+
+@pytest.mark.parametrize("name,shard", KEYS)
+def test_three_ranks_equal_unsharded(three_ranks, name, shard):
+    _check(three_ranks, f"{name}/{shard}/True", 3)
+
+
+def test_features_equal_unsharded():
+    for result in run_world(shard_ranks.features, 2):
+        for name, by_shard in result.items():
+            assert by_shard == {"param": True, "flat": True}, name
+
+
+@pytest.mark.parametrize("shard", ["flat", "param"])
+def test_checkpoint_saved_by_two_ranks_loads_on_three(tmp_path, shard):
+    saved = run_world(shard_ranks.save, 2, str(tmp_path), shard)
+    files = saved[0]["files"]
+    assert len([f for f in files if "-shard-rank" in f]) == 2 and "manifest.json" in files
+    assert shard_ranks._state_equal(saved[0]["saved"], saved[1]["saved"])
+    resumed = run_world(shard_ranks.resume, 3, str(tmp_path), saved[0]["model"],
+                        saved[0]["saved"])
+    for r in range(3):
+        for key in ("flat", "param", "None"):
+            assert resumed[r][key]["loaded"], (r, key)
+            assert torch.equal(resumed[r][key]["params"], resumed[0]["None"]["params"])
+
+
+def test_load_refuses_a_shard_missing_a_piece(tmp_path):
+    for message in run_world(shard_ranks.load_refuses_gaps, 2, str(tmp_path)):
+        assert "do not cover" in message or "another rank refused" in message, message
+        assert "Invalid checkpoint" in message
+
+
+def test_bad_arguments_are_named():
+    out = run_world(shard_ranks.bad_arguments, 1)[0]
+    assert "Invalid shard: 'rows'" in out["mode"]
+    assert "Invalid shard: 'flat' for Adafactor" in out["flat-adafactor"]
+    assert "shard='param'" in out["flat-adafactor"]
+    assert "EagerSGD" in out["eager"] and "functional twin" in out["eager"]
