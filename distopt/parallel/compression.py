@@ -37,7 +37,8 @@ _ALIGN = 8
 
 
 class Compression:
-    """How a bucket's gradients travel; subclasses are ``Cast``, ``TopK``, ``Threshold``.
+    """How a bucket's gradients travel; subclasses are ``Cast``, ``TopK``, ``Threshold``,
+    ``distopt.parallel.PowerSGD``.
 
     Attributes:
         error_feedback: whether each rank keeps a residual per parameter (``state_dict``

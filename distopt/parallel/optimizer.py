@@ -73,7 +73,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         process_group: the group to average over (None: the default group); any group this
             rank belongs to.
         bucket_cap_mb: the most gradient megabytes (2**20 bytes) in one bucket.
-        compression: None, ``Cast(dtype)``, ``TopK(ratio)`` or ``Threshold(value)``.
+        compression: None, ``Cast(dtype)``, ``TopK(ratio)``, ``Threshold(value)`` or
+            ``PowerSGD(...)``.
         backward_passes_per_step: backward passes whose gradients accumulate (summed, as
             under DDP's ``no_sync``) before one reduction; ``step()`` after fewer passes
             reduces what accumulated.
@@ -916,7 +917,8 @@ def _check_options(
         raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (expected a finite float > 0)")
     if compression is not None and not isinstance(compression, Compression):
         raise TypeError(
-            f"Invalid compression: {compression!r} (expected None, Cast, TopK or Threshold)"
+            f"Invalid compression: {compression!r} (expected None, Cast, TopK, Threshold or "
+            f"PowerSGD)"
         )
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"Invalid backward_passes_per_step: {passes!r} (expected an int >= 1)")
