@@ -2,10 +2,20 @@
 
 ``DataParallelOptimizer`` averages gradients over a process group in flat buckets while
 backward runs and steps each bucket with a compiled functional optimizer as soon as its
-average arrives; ``Cast``, ``TopK``, ``Threshold`` and ``PowerSGD`` compress what
-travels; ``RoundRobin`` synchronises one partition of the parameters per step instead.
+average arrives (``shard=`` keeps 1/W of the optimizer state per rank); ``Cast``,
+``TopK``, ``Threshold`` and ``PowerSGD`` compress what travels; ``RoundRobin`` synchronises
+one partition of the parameters per step instead. For models
+that stay wrapped in torch's DistributedDataParallel, ``compression_hook`` and
+``optimizer_hook`` (``distopt.parallel.hooks``) bring the compression and the steps during
+backward as DDP communication hooks.
 """
 from distopt.parallel.compression import Cast, Compression, Threshold, TopK
+from distopt.parallel.hooks import (
+    CompressionHookState,
+    OptimizerInBackward,
+    compression_hook,
+    optimizer_hook,
+)
 from distopt.parallel.optimizer import DataParallelOptimizer
 from distopt.parallel.powersgd import PowerSGD
 from distopt.parallel.sync import RoundRobin
@@ -13,9 +23,13 @@ from distopt.parallel.sync import RoundRobin
 __all__ = [
     "Cast",
     "Compression",
+    "CompressionHookState",
     "DataParallelOptimizer",
+    "OptimizerInBackward",
     "PowerSGD",
     "RoundRobin",
     "Threshold",
     "TopK",
+    "compression_hook",
+    "optimizer_hook",
 ]

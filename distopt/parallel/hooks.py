@@ -1,0 +1,701 @@
+r"""Hooks for models that stay wrapped in torch's ``DistributedDataParallel``.
+
+DDP buckets gradients and calls a communication hook once per bucket, in bucket order,
+from the thread running backward. Two hooks run distopt's machinery there:
+
+- ``compression_hook(compression)``: each bucket is averaged with ``Cast``, ``TopK``,
+  ``Threshold`` (or no compression), as ``DataParallelOptimizer`` averages its own buckets.
+- ``optimizer_hook(ddp_model, optimizer_class, params, ...)``: the same, and each bucket's
+  parameters are then stepped at once, during backward, by a compiled functional optimizer,
+  for the 13 dense torch.optim classes in ``functional.functional_optim_map`` and any number
+  of param groups (torch's ``_register_fused_optim`` takes 8 classes and one group).
+
+Each DDP bucket is copied into a :class:`~distopt.parallel.buckets.Bucket` of its own (the
+gradients, then one "used" flag per parameter), which the codecs take. DDP rebuilds its
+buckets after the first iteration, so a bucket is rebuilt whenever DDP's parameters under
+its index change, and error-feedback residuals are kept per parameter across the change.
+
+Every collective is issued by the hook itself, on the thread DDP calls it from, in bucket
+order, so every rank issues the same collectives in the same order (gloo aborts otherwise).
+One thread per hook then waits for each reduction, decodes it, steps (``optimizer_hook``) and
+completes the future DDP waits for at the end of backward; it issues no collective.
+"""
+import logging
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from distopt import _torch
+from distopt.arguments import check_arguments, check_optimizer_class
+from distopt.local_optimizer import CompiledLocalOptimizer
+from distopt.param_groups import as_keywords, pending_changes, snapshot
+from distopt.parallel.buckets import Bucket
+from distopt.parallel.compression import Compression, TopK, dense_reduction
+from distopt.parallel.optimizer import _group_info, _param_groups
+from functional import functional_optim_map
+from functional._state import check_hyperparameter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompressionHookState", "OptimizerInBackward", "compression_hook", "optimizer_hook"]
+
+#: A job for the finishing thread: (codec, pending, bucket, future, after, (rank, world size,
+#: compression)).
+_Job = Tuple[
+    Compression, Any, Bucket, Any, Optional[Callable[[Bucket], None]], Tuple[int, int, Any]
+]
+#: How one bucket steps: per param group with parameters in it, (group, the gradients to step
+#: the group with, [(position in the group, slot in the bucket)]).
+_Plan = List[Tuple[int, List[Optional[Tensor]], List[Tuple[int, int]]]]
+
+
+class CompressionHookState:
+    """What a DDP communication hook keeps between calls: the scheme, the process group, one
+    adapted bucket per DDP bucket index, the residuals, and the finishing thread.
+
+    Build it with ``compression_hook``; pass it to ``ddp.register_comm_hook`` with the hook.
+
+    Args:
+        compression: None, ``Cast(dtype)``, ``TopK(ratio)`` or ``Threshold(value)``.
+        process_group: the group DDP averages over (None: the default group).
+        after_reduction: called on the finishing thread with each averaged bucket, before
+            DDP sees it (``OptimizerInBackward`` steps there).
+        before_first_bucket: called on the hook's thread when DDP hands over bucket 0 of a
+            backward pass, before any collective of that pass; may raise.
+
+    Attributes:
+        compression: the scheme as given.
+        process_group: the group the collectives go to.
+        rank: this process's rank in it.
+        world_size: its size; the gradients are divided by it.
+        buckets: DDP bucket index -> the adapted bucket DDP's last call under that index
+            used.
+        rebuilds: how many times an index's parameters changed (DDP rebuilds its buckets
+            once, after the first iteration).
+
+    Raises:
+        TypeError / ValueError: a bad ``compression`` or ``process_group``.
+    """
+
+    def __init__(
+        self,
+        compression: Optional[Compression],
+        process_group: Any = None,
+        after_reduction: Optional[Callable[[Bucket], None]] = None,
+        before_first_bucket: Optional[Callable[[], None]] = None,
+    ) -> None:
+        if compression is not None and not isinstance(compression, Compression):
+            raise TypeError(
+                f"Invalid compression: {compression!r} (expected None, Cast, TopK or Threshold)"
+            )
+        group, rank, world_size = _group_info(process_group)
+        codec = dense_reduction() if compression is None else compression
+        if isinstance(codec, TopK) and codec.ratio == 1.0:
+            codec = dense_reduction()  # the same average, bit for bit, without the indices
+        # DDP's buckets are not known before its first backward pass: no scheme here keeps
+        # state per bucket.
+        self._codec = codec.bound(group, rank, world_size, [])
+        self.compression = compression
+        self.process_group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.buckets: Dict[int, Bucket] = {}
+        self.rebuilds = 0
+        self._after = after_reduction
+        self._before_first = before_first_bucket
+        # id(parameter) -> (parameter, its flat residual: a view of its bucket's, or a tensor
+        # loaded before the bucket was built).
+        self._residuals: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self._tracked: Optional[set] = None
+        self._used: set = set()
+        self._handles: List[Any] = []
+        self._jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+        self._threads: List[threading.Thread] = []  # the finishing thread, once started
+        weakref.finalize(self, _stop_finishing, self._jobs, self._threads)
+
+    def __repr__(self) -> str:
+        return (f"CompressionHookState(compression={self.compression!r}, rank={self.rank}, "
+                f"world_size={self.world_size})")
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether each rank keeps residuals (``TopK`` / ``Threshold`` with error feedback)."""
+        return self._codec.error_feedback
+
+    # ------------------------------------------------------------ the hook's thread
+
+    def reduce(self, grad_bucket: Any) -> "torch.futures.Future[Tensor]":
+        """Start averaging one DDP bucket; what the hook returns to DDP.
+
+        Args:
+            grad_bucket: DDP's ``GradBucket``.
+
+        Returns:
+            A future whose value is the averaged gradients, laid out as
+            ``grad_bucket.buffer()``.
+
+        Raises:
+            ValueError: a sparse or integer gradient, or what ``before_first_bucket``
+                raised; RuntimeError: a collective could not be issued (naming this rank and
+                the bucket).
+        """
+        index = grad_bucket.index()
+        if index == 0 and self._before_first is not None:
+            self._before_first()
+        ddp_buffer = grad_bucket.buffer()
+        bucket = self._bucket(index, grad_bucket.parameters(), ddp_buffer)
+        bucket.buffer[:bucket.numel].copy_(ddp_buffer)
+        if self._tracked is not None:
+            bucket.used = [id(p) in self._used or id(p) not in self._tracked
+                           for p in bucket.params]
+        bucket.fill_flags()
+        who = (self.rank, self.world_size, self.compression)
+        try:
+            pending = self._codec.issue(bucket, self.process_group, self.world_size)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{_where(who, bucket)} could not be issued: {exc}") from exc
+        finally:
+            if grad_bucket.is_last():
+                self._used.clear()
+        future: "torch.futures.Future[Tensor]" = torch.futures.Future()
+        self._finishing_thread()
+        self._jobs.put((self._codec, pending, bucket, future, self._after, who))
+        # DDP reads the value in C++, where an exception set from Python is only a value;
+        # raised in a callback, it marks the chained future failed, which DDP does raise.
+        return future.then(_value)
+
+    def _bucket(self, index: int, params: List[Tensor], ddp_buffer: Tensor) -> Bucket:
+        """The adapted bucket for DDP's bucket ``index``, built anew if its parameters
+        changed."""
+        current = self.buckets.get(index)
+        if current is not None and len(current.params) == len(params) and all(
+            a is b for a, b in zip(current.params, params)
+        ):
+            return current
+        if ddp_buffer.layout != torch.strided:
+            raise ValueError(
+                f"Invalid gradient: DDP bucket {index} holds a {ddp_buffer.layout} gradient "
+                f"(expected dense gradients: distopt's hooks reduce dense buckets; build "
+                f"embeddings with sparse=False)"
+            )
+        bucket = Bucket(index, list(params), list(range(len(params))))
+        if bucket.numel != ddp_buffer.numel() or bucket.dtype != ddp_buffer.dtype:
+            raise RuntimeError(
+                f"Invalid DDP bucket {index}: its buffer holds {ddp_buffer.numel()} "
+                f"{ddp_buffer.dtype} elements, its parameters {bucket.numel} {bucket.dtype} "
+                f"ones (expected one dense gradient per parameter, back to back)"
+            )
+        # DDP lays a gradient out in its bucket as the parameter is laid out in memory.
+        bucket.grads = [
+            g if p.is_contiguous() else bucket.buffer.as_strided(p.shape, p.stride(), o)
+            for g, p, o in zip(bucket.grads, bucket.params, bucket.offsets)
+        ]
+        if self.compression is not None:
+            self.compression.check_bucket(bucket)
+        if self._codec.error_feedback:
+            bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
+            for p, o in zip(bucket.params, bucket.offsets):
+                part = bucket.residual[o:o + p.numel()]
+                kept = self._residuals.get(id(p))
+                if kept is not None and kept[0] is p:
+                    part.copy_(kept[1])
+                self._residuals[id(p)] = (p, part)
+        bucket.used = [True] * len(params)
+        if current is not None:
+            self.rebuilds += 1
+            logger.info("rank %d: DDP bucket %d now holds %d parameters (DDP rebuilt its "
+                        "buckets)", self.rank, index, len(params))
+        self.buckets[index] = bucket
+        return bucket
+
+    def _finishing_thread(self) -> None:
+        if not self._threads:
+            thread = threading.Thread(
+                target=_finish_in_order, args=(self._jobs,), daemon=True,
+                name=f"distopt-ddp-hook-{self.rank}",
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    # ------------------------------------------------------------ residuals, usage
+
+    def residual(self, param: Tensor) -> Optional[Tensor]:
+        """This rank's error-feedback residual of ``param`` (shaped like it; a view, not a
+        copy), or None: no error feedback, or no bucket of ``param`` reduced or loaded yet."""
+        kept = self._residuals.get(id(param))
+        if kept is None or kept[0] is not param:
+            return None
+        return kept[1].view(param.shape)
+
+    def set_residual(self, param: Tensor, value: Tensor) -> None:
+        """Replace the residual of ``param`` (before its bucket is built, it waits there).
+
+        Raises:
+            ValueError: no error feedback, or ``value`` not shaped like ``param``.
+        """
+        if not self._codec.error_feedback:
+            raise ValueError(
+                f"Invalid set_residual: {self.compression!r} keeps no residuals (expected "
+                f"TopK or Threshold with error_feedback=True)"
+            )
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"Invalid residual: shape {tuple(value.shape)} (expected "
+                f"{tuple(param.shape)}, the parameter's)"
+            )
+        kept = self._residuals.get(id(param))
+        flat = value.detach().reshape(-1).to(param.dtype)
+        if kept is not None and kept[0] is param:
+            kept[1].copy_(flat)
+        else:
+            self._residuals[id(param)] = (param, flat.clone())
+
+    def track_usage(self, params: Iterable[Tensor]) -> None:
+        """Flag, from now on, which of ``params`` a backward pass gave a gradient on this
+        rank (one post-accumulate-grad hook each), so that a parameter no rank used reads 0
+        in its bucket's reduced flags. The others always read as used; DDP's own bucket
+        carries zeros for an unused parameter when ``find_unused_parameters=True``."""
+        params = list(params)
+        used = self._used
+        self._tracked = set(self._tracked or ()) | {id(p) for p in params}
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(_mark_used(used)))
+
+
+def _mark_used(used: set) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        used.add(id(param))
+    return hook
+
+
+def _stop_finishing(jobs: "queue.SimpleQueue[Optional[_Job]]",
+                    threads: List[threading.Thread]) -> None:
+    """Stop the finishing thread after the jobs queued (when its state is collected, or at
+    exit: a thread still running while the interpreter shuts down can abort the process)."""
+    jobs.put(None)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=_STOP_TIMEOUT_S)
+
+
+#: The longest a stopping finishing thread is waited for (a reduction with a lost peer waits
+#: for the process group's timeout).
+_STOP_TIMEOUT_S = 10.0
+
+
+def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
+    """Wait for each reduction in the order issued, decode it, and complete its future."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        codec, pending, bucket, future, after, who = job
+        try:
+            codec.finish(pending, bucket, who[1])
+            if after is not None:
+                after(bucket)
+        except BaseException as exc:  # noqa: B902 - handed to DDP, which raises it in backward
+            error = RuntimeError(f"{_where(who, bucket)} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            logger.error("%s", error)
+            future.set_exception(error)
+            continue
+        # A view at storage offset 0: DDP reads its parameters' gradients from the value
+        # with as_strided at their offsets in the bucket.
+        future.set_result(bucket.buffer[:bucket.numel])
+
+
+def _value(future: "torch.futures.Future[Tensor]") -> Tensor:
+    return future.wait()
+
+
+def _where(who: Tuple[int, int, Any], bucket: Bucket) -> str:
+    rank, world_size, compression = who
+    return (f"DDP communication hook on rank {rank} of {world_size}: the reduction of DDP "
+            f"bucket {bucket.index} ({bucket.numel} {bucket.dtype} gradient elements, "
+            f"compression={compression!r})")
+
+
+def _reduce_bucket(state: CompressionHookState, bucket: dist.GradBucket
+                   ) -> torch.futures.Future[torch.Tensor]:
+    """The communication hook: average ``bucket`` with ``state``'s compression."""
+    return state.reduce(bucket)
+
+
+def compression_hook(
+    compression: Optional[Compression] = None, process_group: Any = None
+) -> Tuple[CompressionHookState, Callable[..., Any]]:
+    r"""A DDP communication hook that averages each bucket with distopt's compression::
+
+        state, hook = compression_hook(TopK(0.01), process_group=None)
+        ddp.register_comm_hook(state, hook)
+
+    - None: the bucket is divided by the world size and all-reduced (SUM), as DDP's own
+      reduction: the same gradients, bit for bit, at 2 ranks.
+    - ``Cast(torch.float16)`` / ``Cast(torch.bfloat16)``: divided, cast, all-reduced, cast
+      back; bfloat16 works on CPU (gloo), where torch's ``bf16_compress_hook`` is refused.
+    - ``TopK(ratio, error_feedback)`` / ``Threshold(value, error_feedback)``: chosen (index,
+      value) pairs of gradient + residual, all-gathered; with error feedback each rank keeps
+      per parameter what it did not send, :math:`r \leftarrow g + r - \text{sent}`, through
+      DDP's rebuild of its buckets (``state.residual(param)``).
+
+    The gradients travel with one flag per parameter, always "used" (DDP itself leaves the
+    parameters no rank used alone, with ``find_unused_parameters=True``); with error
+    feedback there, ``state.track_usage(model.parameters())`` makes a parameter this rank did
+    not use keep its residual. Every collective is issued from the thread DDP calls the hook
+    from, in bucket order.
+
+    Args:
+        compression: the scheme; None averages without compression.
+        process_group: the group the DDP model averages over (None: the default group);
+            the gradients are divided by its size.
+
+    Returns:
+        ``(state, hook)`` for ``ddp.register_comm_hook``.
+
+    Raises:
+        TypeError / ValueError: a bad argument, named.
+    """
+    return CompressionHookState(compression, process_group), _reduce_bucket
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    r"""A torch.optim optimizer that steps each DDP bucket's parameters as soon as DDP has
+    averaged it, during backward. Build it with ``optimizer_hook``.
+
+    It registers a communication hook on the DDP model that averages each bucket (with
+    ``compression``, as ``compression_hook``) and then steps the bucket's parameters with one
+    compiled functional optimizer per param group, passing None for the group's parameters
+    in other buckets: stepping bucket by bucket equals one step over everything, bit for bit.
+    So ``loss.backward()`` is the whole step; ``step()`` does nothing (but evaluate a
+    closure) and exists so that training loops and lr schedulers written for torch.optim run
+    unchanged. Zero the gradients as usual: DDP still writes the averages into ``.grad``.
+
+    Hyper-parameters: change ``param_groups`` (by hand or with any lr scheduler) between
+    backward passes; the change reaches the compiled steps when DDP hands over the first
+    bucket of the next backward pass, before any collective. A key the compiled class cannot
+    change (``amsgrad``...) raises ValueError there.
+
+    With ``find_unused_parameters=True`` a parameter that no rank gave a gradient is left
+    alone (one post-accumulate-grad hook per parameter tells), as torch.optim leaves a
+    parameter whose ``.grad`` DDP leaves None.
+
+    ``state_dict`` / ``load_state_dict`` are torch.optim's format (they move to and from a
+    local torch.optim optimizer), plus ``"residuals"`` (global index -> this rank's residual)
+    with error feedback.
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model; it must have no communication hook
+            yet.
+        optimizer_class: a class in ``functional.functional_optim_map`` but SparseAdam.
+        params: parameters of ``ddp_model`` or param group dicts, as torch.optim takes them;
+            a subset of the model's is fine (the others are averaged, not stepped).
+        *args: the optimizer's positional arguments after the parameters.
+        compression: None, ``Cast(dtype)``, ``TopK(ratio)`` or ``Threshold(value)``.
+        **kwargs: the optimizer's keyword arguments.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel; a class with no
+            functional twin, or SparseAdam; a bad argument (torch.optim's checks too).
+        ValueError: a parameter DDP does not reduce (not in ``ddp_model.module``, frozen,
+            or ignored through ``_ddp_params_and_buffers_to_ignore``).
+    """
+
+    def __init__(
+        self,
+        ddp_model: DistributedDataParallel,
+        optimizer_class: type,
+        params: Iterable[Union[Tensor, Dict[str, Any]]],
+        *args: Any,
+        compression: Optional[Compression] = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(
+                f"Invalid ddp_model: {type(ddp_model).__name__} (expected a "
+                f"torch.nn.parallel.DistributedDataParallel)"
+            )
+        _check_dense_functional(optimizer_class)
+        groups = _param_groups(params)
+        check_arguments(optimizer_class, args, kwargs, groups)
+        # torch.optim's own checks and defaults (the step is the compiled one).
+        inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
+        _check_reduced_by(ddp_model, inner.param_groups)
+        self.optimizer_class = optimizer_class
+        self.compression = compression
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        _torch.init_optimizer_internals(self)
+        self.hook_state = CompressionHookState(
+            compression, ddp_model.process_group, after_reduction=self._step_bucket,
+            before_first_bucket=self._apply_changes,
+        )
+
+        self._slot: Dict[int, Tuple[int, int]] = {
+            id(p): (j, k)
+            for j, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])
+        }
+        group_params = [list(g["params"]) for g in self.param_groups]
+        indices, start = [], 0
+        for ps in group_params:
+            indices.append(list(range(start, start + len(ps))))
+            start += len(ps)
+        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        fargs, fkwargs = as_keywords(optimizer_class, args, kwargs)
+        self._local = CompiledLocalOptimizer(
+            functional_optim_map[optimizer_class], optimizer_class, group_params, indices,
+            options, fargs, fkwargs,
+        )
+        self._step_group = self._local.module.step_group
+        self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
+        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
+        self._settable = self._local.settable(self._hyper_keys)
+        self._plans: Dict[int, Tuple[Bucket, _Plan]] = {}  # by DDP bucket index
+        self._skips_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
+        if self._skips_unused:
+            self.hook_state.track_usage([p for ps in group_params for p in ps])
+        ddp_model.register_comm_hook(self.hook_state, _reduce_bucket)
+        logger.info(
+            "rank %d of %d: %s steps %d parameters in %d groups during DDP's backward, "
+            "compression=%r", self.hook_state.rank, self.hook_state.world_size,
+            optimizer_class.__name__, start, len(group_params), compression,
+        )
+
+    # ------------------------------------------------------------ stepping
+
+    def step(  # type: ignore[override]
+        self, closure: Optional[Callable[[], Any]] = None
+    ) -> Optional[Any]:
+        """Nothing to do: backward stepped every bucket. Evaluates ``closure`` (which runs
+        forward and backward, and so the step) if one is given.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _apply_changes(self) -> None:
+        """Hyper-parameters changed in ``param_groups`` since the last backward pass reach the
+        compiled steps (hook thread, before bucket 0 is sent; no step is in flight then)."""
+        changes = pending_changes(
+            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+        )
+        for j, values in changes.items():
+            self._local.apply_changes([(j, key, value) for key, value in values.items()])
+            self._sent[j].update({k: snapshot(v) for k, v in values.items()})
+
+    def _step_bucket(self, bucket: Bucket) -> None:
+        """Step the parameters of one averaged bucket (finishing thread)."""
+        plan = self._plans.get(bucket.index)
+        if plan is None or plan[0] is not bucket:
+            plan = (bucket, self._plan(bucket))
+            self._plans[bucket.index] = plan
+        unused: List[int] = []
+        if self._skips_unused:
+            unused = [s for s, f in enumerate(bucket.flags.tolist()) if f == 0]
+        for j, grads, slots in plan[1]:
+            if unused:
+                grads = list(grads)
+                for k, s in slots:
+                    if s in unused:
+                        grads[k] = None
+            self._step_group(j, grads)
+
+    def _plan(self, bucket: Bucket) -> _Plan:
+        """Per param group with parameters in ``bucket``: the gradients to step it with
+        (views of the bucket; None for its parameters elsewhere)."""
+        by_group: Dict[int, Tuple[List[Optional[Tensor]], List[Tuple[int, int]]]] = {}
+        for s, p in enumerate(bucket.params):
+            where = self._slot.get(id(p))
+            if where is None:
+                continue  # averaged by DDP, stepped by nobody here
+            j, k = where
+            if j not in by_group:
+                by_group[j] = ([None] * len(self.param_groups[j]["params"]), [])
+            by_group[j][0][k] = bucket.grads[s]
+            by_group[j][1].append((k, s))
+        return [(j, grads, slots) for j, (grads, slots) in sorted(by_group.items())]
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The state in torch.optim's format; with error feedback also ``"residuals"``
+        (global index -> this rank's residual, for the parameters this rank has one of)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = self._local.torch_state()
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups, start = [], 0
+        for g in self.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        sd: Dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
+        if self.hook_state.error_feedback:
+            sd["residuals"] = {}
+            for i, p in enumerate(params):
+                residual = self.hook_state.residual(p)
+                if residual is not None:
+                    sd["residuals"][i] = residual.clone()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state_dict of this class or of a local torch.optim optimizer of
+        ``optimizer_class`` over the same groups; everything is checked before anything
+        changes. Call it between backward passes.
+
+        Raises:
+            ValueError: another group count, parameter count, shape, a hyper-parameter of
+                the wrong kind, or a state entry that does not fit, named.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or "state" not in state_dict or (
+            "param_groups" not in state_dict
+        ):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"Invalid state_dict: {len(saved_groups)} param groups (expected "
+                f"{len(self.param_groups)})"
+            )
+        saved_ids: List[Any] = []
+        for j, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
+                    f"parameters (expected {len(group['params'])})"
+                )
+            saved_ids.extend(saved["params"])
+            for key in self._hyper_keys:
+                if key in saved:
+                    check_hyperparameter(
+                        self.optimizer_class, key, saved[key], f"state_dict param group {j}"
+                    )
+        position = {saved: i for i, saved in enumerate(saved_ids)}
+        state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+        self._local.check_torch_state(state)
+        params = [p for g in self.param_groups for p in g["params"]]
+        residuals: Dict[int, Tensor] = {}
+        for saved, value in state_dict.get("residuals", {}).items():
+            i = position.get(saved)
+            if i is None or not isinstance(value, Tensor) or value.shape != params[i].shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"Invalid state_dict['residuals'][{saved!r}]: {got} (expected a tensor "
+                    f"shaped like the parameter it names)"
+                )
+            residuals[i] = value
+        if residuals and not self.hook_state.error_feedback:
+            raise ValueError(
+                f"Invalid state_dict['residuals']: {len(residuals)} residuals, and "
+                f"compression={self.compression!r} keeps none (expected no 'residuals')"
+            )
+
+        hyper = [{k: v for k, v in saved.items() if k != "params"} for saved in saved_groups]
+        self._local.load_torch_state(hyper, state)
+        for group, values in zip(self.param_groups, hyper):
+            group.update(values)
+        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
+        for i, value in residuals.items():
+            self.hook_state.set_residual(params[i], value)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Not supported: the compiled optimizers are built once.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            "Invalid add_param_group: an OptimizerInBackward's groups are fixed at "
+            "construction (expected every param group in optimizer_hook)"
+        )
+
+
+def optimizer_hook(
+    ddp_model: DistributedDataParallel,
+    optimizer_class: type,
+    params: Iterable[Union[Tensor, Dict[str, Any]]],
+    *args: Any,
+    compression: Optional[Compression] = None,
+    **kwargs: Any,
+) -> OptimizerInBackward:
+    """Step ``ddp_model``'s parameters during backward, each bucket as soon as DDP has
+    averaged it::
+
+        ddp = DistributedDataParallel(model)
+        opt = optimizer_hook(ddp, torch.optim.AdamW, groups, lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+        for x, y in loader:
+            loss_fn(ddp(x), y).backward()   # averages and steps
+            opt.step()                      # nothing left to do; keeps the scheduler happy
+            opt.zero_grad()
+            sched.step()
+
+    Returns:
+        The :class:`OptimizerInBackward`, with its hook registered on ``ddp_model``. The
+        arguments and errors are its constructor's.
+    """
+    return OptimizerInBackward(ddp_model, optimizer_class, params, *args,
+                               compression=compression, **kwargs)
+
+
+def _check_dense_functional(optimizer_class: Any) -> None:
+    check_optimizer_class(optimizer_class, eager=False)
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise TypeError(
+            f"Invalid optimizer_class: {optimizer_class.__name__} steps only sparse gradients "
+            f"(expected a class for dense ones: DDP's buckets hold dense gradients)"
+        )
+    if optimizer_class not in functional_optim_map:
+        names = sorted(c.__name__ for c in functional_optim_map if c is not torch.optim.SparseAdam)
+        raise TypeError(
+            f"Invalid optimizer_class: {optimizer_class.__qualname__} has no functional twin "
+            f"in functional.functional_optim_map, and the hook steps each bucket with a "
+            f"compiled functional optimizer (expected one of {', '.join(names)})"
+        )
+
+
+def _check_reduced_by(ddp_model: DistributedDataParallel, groups: Sequence[Dict[str, Any]]) -> None:
+    """Every parameter must be one DDP reduces (DDP's own rule: the module's parameters
+    that require grad and are not ignored)."""
+    ignored = getattr(ddp_model, "parameters_to_ignore", set())
+    reduced = {
+        id(p)
+        for module_name, module in ddp_model.module.named_modules()
+        for name, p in module.named_parameters(recurse=False)
+        if p.requires_grad and f"{module_name}.{name}" not in ignored
+    }
+    for j, g in enumerate(groups):
+        for k, p in enumerate(g["params"]):
+            if id(p) not in reduced:
+                shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+                why = ("has requires_grad=False" if isinstance(p, Tensor) and not p.requires_grad
+                       else "is not one DDP reduces (not in ddp_model.module, or ignored)")
+                raise ValueError(
+                    f"Invalid params: param group {j}, parameter {k} (shape {shape}) {why} "
+                    f"(expected parameters of ddp_model.module that DDP averages: the hook "
+                    f"steps only what DDP's buckets bring)"
+                )
