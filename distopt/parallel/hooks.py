@@ -92,14 +92,15 @@ class CompressionHookState:
     ) -> None:
         if compression is not None and not isinstance(compression, Compression):
             raise TypeError(
-                f"Invalid compression: {compression!r} (expected None, Cast, TopK or Threshold)"
+                f"Invalid compression: {compression!r} (expected None, Cast, TopK, Threshold or "
+                f"PowerSGD)"
             )
         group, rank, world_size = _group_info(process_group)
         codec = dense_reduction() if compression is None else compression
         if isinstance(codec, TopK) and codec.ratio == 1.0:
             codec = dense_reduction()  # the same average, bit for bit, without the indices
-        # DDP's buckets are not known before its first backward pass: no scheme here keeps
-        # state per bucket.
+        # DDP's buckets are not known before its first backward pass: PowerSGD is told
+        # which bucket is DDP's last one at each call (``bucket.last``).
         self._codec = codec.bound(group, rank, world_size, [])
         self.compression = compression
         self.process_group = group
@@ -155,6 +156,7 @@ class CompressionHookState:
             bucket.used = [id(p) in self._used or id(p) not in self._tracked
                            for p in bucket.params]
         bucket.fill_flags()
+        bucket.last = grad_bucket.is_last()
         who = (self.rank, self.world_size, self.compression)
         try:
             pending = self._codec.issue(bucket, self.process_group, self.world_size)

@@ -169,7 +169,10 @@ class PowerSGD(Compression):
         """Sum the flags (async), and run torch's hook on the gradients to the end."""
         state = self._bound_state()
         flags = dist.all_reduce(bucket.flags, group=group, async_op=True)
-        view = self._views[bucket.index]
+        if self._views:
+            view = self._views[bucket.index]
+        else:  # under DDP (distopt.parallel.hooks): buckets come as DDP makes them
+            view = _GradBucketView(bucket, bool(getattr(bucket, "last", False)))
         # Waited for here, on the communication thread: the hook's later collectives are
         # issued from gloo's callback threads, and no other bucket's may be in flight then.
         result = powerSGD_hook(state, view).wait()

@@ -6,12 +6,12 @@ a bit of the parameters or of the state_dict.
 """
 import math
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from distopt.parallel import Cast, DataParallelOptimizer, TopK
+from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, TopK
 from tests.parallel.cases import CASES
 from tests.parallel.ranks import eager_class, flat_params
 
@@ -71,10 +71,14 @@ def _state_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return True
 
 
-def parity(rank: int, world_size: int, steps: int, overlaps: List[bool]) -> Dict[str, Any]:
-    """Every class, sharded each way it can be, against the unsharded optimizer."""
+def parity(rank: int, world_size: int, steps: int, overlaps: List[bool],
+           names: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Every class (or those ``names``), sharded each way it can be, against the unsharded
+    optimizer."""
     out: Dict[str, Any] = {}
     for cls, kwargs in CASES:
+        if names is not None and cls.__name__ not in names:
+            continue
         biases = cls is not torch.optim.Muon
         model = make_model(biases)
         ref = DataParallelOptimizer(cls, groups(model, kwargs["lr"]), bucket_cap_mb=BUCKETS_MB,
@@ -120,6 +124,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
         "scheduler": {},
         "bf16": {"compression": Cast(torch.bfloat16)},
         "topk": {"compression": TopK(0.1)},
+        "powersgd": {"compression": PowerSGD(start_iter=2)},
         "no-overlap": {"overlap": False},
         "clip": {"overlap": False},
     }
@@ -172,37 +177,41 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
-def save(rank: int, world_size: int, path: str, shard: str) -> Dict[str, Any]:
-    """Train 3 steps sharded, save, train 3 more; the state_dict at the save and after."""
-    model = make_model()
-    opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
-                                bucket_cap_mb=BUCKETS_MB, shard=shard)
-    empty = opt.state_dict()  # at any time: before the first step too
-    assert empty["state"] == {} and [g["lr"] for g in empty["param_groups"]] == [1e-2, 5e-3]
-    train(opt, model, rank, world_size, 3)
-    manifest = opt.save(path)
-    saved = opt.state_dict()
-    out = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "saved": saved,
-           "files": sorted(os.listdir(path)), "manifest": manifest}
-    opt.close()
+def save(rank: int, world_size: int, paths: Dict[str, str]) -> Dict[str, Any]:
+    """Per shard mode (-> its directory): train 3 steps sharded, save; the state_dict at the
+    save and the model."""
+    out = {}
+    for shard, path in paths.items():
+        model = make_model()
+        opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
+                                    bucket_cap_mb=BUCKETS_MB, shard=shard)
+        empty = opt.state_dict()  # at any time: before the first step too
+        assert empty["state"] == {} and [g["lr"] for g in empty["param_groups"]] == [1e-2, 5e-3]
+        train(opt, model, rank, world_size, 3)
+        manifest = opt.save(path)
+        out[shard] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                      "saved": opt.state_dict(), "files": sorted(os.listdir(path)),
+                      "manifest": manifest}
+        opt.close()
     return out
 
 
-def resume(rank: int, world_size: int, path: str, model_state: Dict[str, Any],
+def resume(rank: int, world_size: int, paths: Dict[str, str],
            saved: Dict[str, Any]) -> Dict[str, Any]:
-    """Load a checkpoint saved by another world size into "flat", "param" and unsharded
-    optimizers; each equals the saved state, and all three then train alike."""
+    """Load each checkpoint (saved by another world size) into "flat", "param" and
+    unsharded optimizers; each equals the saved state, and all three then train alike."""
     out = {}
-    for shard in ("flat", "param", None):
-        model = make_model()
-        model.load_state_dict(model_state)
-        opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
-                                    bucket_cap_mb=BUCKETS_MB, shard=shard)
-        opt.load(path)
-        loaded = _state_equal(opt.state_dict(), saved)
-        train(opt, model, rank, world_size, 3, first=3)
-        out[str(shard)] = {"loaded": loaded, "params": flat_params(model)}
-        opt.close()
+    for source, path in paths.items():
+        for shard in ("flat", "param", None):
+            model = make_model()
+            model.load_state_dict(saved[source]["model"])
+            opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
+                                        bucket_cap_mb=BUCKETS_MB, shard=shard)
+            opt.load(path)
+            loaded = _state_equal(opt.state_dict(), saved[source]["saved"])
+            train(opt, model, rank, world_size, 3, first=3)
+            out[f"{source}->{shard}"] = {"loaded": loaded, "params": flat_params(model)}
+            opt.close()
     return out
 
 

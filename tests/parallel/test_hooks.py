@@ -15,9 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
 from distopt.parallel import (
     Cast,
     DataParallelOptimizer,
+    PowerSGD,
     Threshold,
     TopK,
     compression_hook,
@@ -146,6 +149,24 @@ def compression_ranks(rank: int, world_size: int) -> Dict[str, Any]:
             opt.zero_grad()
         runs[name] = {"params": flat_params(model), "grads": torch.stack(grads)}
     out["plain"] = runs
+
+    # PowerSGD: one bucket, against torch's own hook on DDP; several buckets, it completes.
+    runs = {}
+    for name in ("torch", "hook", "hook-buckets"):
+        model = make_model()
+        ddp = DDP(model) if name != "hook-buckets" else _ddp(model)
+        if name == "torch":
+            ddp.register_comm_hook(PowerSGDState(None, start_powerSGD_iter=2), powerSGD_hook)
+        else:
+            ddp.register_comm_hook(*compression_hook(PowerSGD(start_iter=2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        for step in range(3 * STEPS):
+            xs, ys = _batch(rank, world_size, step)
+            loss_of(ddp, xs, ys).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[name] = {"params": flat_params(model), "buckets": len(ddp.reducer._get_zeros_like_grad_buckets())}
+    out["powersgd"] = runs
 
     # Error feedback: residual + everything sent = the sum of this rank's gradients.
     for name, scheme in (("topk", TopK(0.1)), ("threshold", Threshold(0.02))):
@@ -399,6 +420,19 @@ def test_cast_bf16_hook_equals_data_parallel_optimizer_and_the_exact_sum(compres
         for r in compressed:
             assert torch.equal(r["cast"]["hook"][step], expected), step
             assert torch.equal(r["cast"]["dpo"][step], expected), step
+
+
+def test_powersgd_hook_equals_torchs_and_completes_with_several_buckets(compressed):
+    for r in compressed:
+        runs = r["powersgd"]
+        assert torch.equal(runs["hook"]["params"], runs["torch"]["params"])
+        assert runs["hook-buckets"]["buckets"] >= 2
+        assert torch.equal(runs["hook-buckets"]["params"],
+                           compressed[0]["powersgd"]["hook-buckets"]["params"])
+        assert torch.isfinite(runs["hook-buckets"]["params"]).all()
+    # compression moved the parameters off the uncompressed run's
+    assert not torch.equal(compressed[0]["powersgd"]["hook"]["params"],
+                           compressed[0]["plain"]["ddp"]["params"])
 
 
 def test_no_compression_equals_ddp_bit_for_bit(compressed):

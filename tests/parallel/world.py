@@ -24,6 +24,9 @@ WORLD_LIMIT_S = 240.0
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
            args: tuple, results: Any) -> None:
+    # CPU worlds: hide any GPU before torch first asks for one (torch's PowerSGD hook calls
+    # torch.cuda.synchronize whenever CUDA is available, which refuses CPU tensors).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
