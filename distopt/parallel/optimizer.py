@@ -87,7 +87,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             holds the state of whole parameters, about 1/W of it: the choice for
             Adafactor and Muon) or ``"flat"`` (1/W of each bucket's elements; elementwise
             classes): each rank steps its share and the parameters are all-gathered, bucket
-            by bucket (``distopt.parallel.shard``). Compiled classes only.
+            by bucket (``distopt.parallel.shard``). An eager class takes ``"param"``: it
+            steps this rank's parameters after the last bucket.
         **kwargs: the optimizer's keyword arguments.
 
     Raises:
@@ -220,7 +221,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 _check_group_unshared(group)
                 self._comm_group = group
             self._codec = codec.bound(self._comm_group, rank, world_size, self._buckets)
-            gathers = shard is not None and overlap
+            gathers = shard is not None and overlap and not eager
             self._reducer = GradientReducer(
                 self._buckets, self._codec, self._comm_group, rank, world_size,
                 backward_passes_per_step,
@@ -344,13 +345,32 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             step(u, grads)
 
     def _step_all(self) -> None:
-        if self._eager is not None:
+        if self._eager is None:
+            for bucket in self._buckets:
+                self._step_bucket(bucket)
+        elif self.shard is None:
             self._eager.step()
-            return
-        for bucket in self._buckets:
-            self._step_bucket(bucket)
+        else:
+            self._eager_step_own()
         if self.shard is not None:
             self._gather_all()
+
+    def _eager_step_own(self) -> None:
+        """Sharded eager step: the other ranks' parameters are hidden from the eager
+        optimizer (``.grad`` None: torch.optim skips them and makes no state for them)."""
+        hidden = []
+        for bucket in self._buckets:
+            own = {pc.slot for pc in bucket.shard.own}
+            hidden.extend((p, p.grad) for k, p in enumerate(bucket.params) if k not in own)
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            self._eager.step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        for bucket in self._buckets:
+            bucket.shard.load()
 
     def _gather_all(self) -> None:
         """Gather every bucket's updated pieces (after a step outside backward)."""
@@ -471,14 +491,16 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             hook(self)
         if self._eager is not None:
             sd = self._eager.state_dict()
+            if gather and self.shard is not None:
+                sd["state"] = dict(sorted(self._gathered_state(sd["state"]).items()))
         else:
             indices, start = [], 0
             for g in self.param_groups:
                 indices.append(list(range(start, start + len(g["params"]))))
                 start += len(g["params"])
-            state = self._gathered_state() if gather or self.shard is None else (
-                self._local.torch_state(copy=False) if self._local is not None else {}
-            )
+            state = self._local.torch_state(copy=gather) if self._local is not None else {}
+            if gather and self.shard is not None:
+                state = self._gathered_state(state)
             sd = {
                 "state": dict(sorted(state.items())),
                 "param_groups": [
@@ -551,9 +573,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
         if self._eager is not None:
+            eager_state = state_dict["state"]
+            if self.shard is not None:  # "param": whole parameters, this rank's only
+                own = set(self._piece_index())
+                order = {saved: i for i, saved in enumerate(saved_ids)}
+                eager_state = {k: v for k, v in eager_state.items() if order.get(k) in own}
+
             def load_eager() -> None:
                 self._eager.load_state_dict(
-                    {"state": state_dict["state"], "param_groups": saved_groups}
+                    {"state": eager_state, "param_groups": saved_groups}
                 )
                 self.param_groups = self._eager.param_groups
                 self.state = self._eager.state
@@ -590,12 +618,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             load_codec()
         return load_compiled
 
-    def _gathered_state(self) -> Dict[int, Dict[str, Any]]:
-        """The whole state in torch.optim's format, keyed by global index; sharded, every
-        rank's pieces are gathered (one all_gather_object) and joined."""
-        mine = self._local.torch_state() if self._local is not None else {}
-        if self.shard is None:
-            return mine
+    def _gathered_state(self, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+        """The whole state in torch.optim's format, keyed by global index, from every
+        rank's pieces ``mine`` (one all_gather_object), joined."""
         pieces = self._piece_index()
         mine = {i: (pieces[i][0], pieces[i][1], entry) for i, entry in mine.items()}
         every: List[Any] = [mine]
@@ -885,11 +910,11 @@ def _check_shard(shard: Any, optimizer_class: type, eager: bool, sync: Any) -> N
             f"Invalid shard: {shard!r} with sync={sync!r} (expected None: RoundRobin steps "
             f"every parameter on every rank)"
         )
-    if eager:
+    if eager and shard == "flat":
         raise ValueError(
-            f"Invalid shard: {shard!r} for {getattr(optimizer_class, '__name__', optimizer_class)}"
-            f", which has no functional twin (expected one of functional_optim_map's classes "
-            f"and TorchScript on: sharded state is stepped by the compiled functional optimizer)"
+            f"Invalid shard: 'flat' for {getattr(optimizer_class, '__name__', optimizer_class)}"
+            f", which has no functional twin and steps whole parameters (expected "
+            f"shard='param', or a class of functional_optim_map with TorchScript on)"
         )
     if shard == "flat" and optimizer_class.__name__ in _shard.SHAPED:
         raise ValueError(

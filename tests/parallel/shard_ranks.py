@@ -148,6 +148,23 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
             and _state_equal(results[shard][1], results[None][1])
             for shard in ("param", "flat")
         }
+    # An eager class (no functional twin), "param" only: against the unsharded eager one,
+    # and its state_dict and checkpoint.
+    results = {}
+    for shard in (None, "param"):
+        model = make_model()
+        opt = DataParallelOptimizer(eager_class(torch.optim.Adam), groups(model, 1e-2),
+                                    lr=1e-2, bucket_cap_mb=BUCKETS_MB, shard=shard)
+        train(opt, model, rank, world_size, 4)
+        results[shard] = (flat_params(model), opt.state_dict(), opt.state_bytes())
+        if shard is not None:
+            opt.load_state_dict(results[None][1])
+            reloaded = _state_equal(opt.state_dict(), results[None][1])
+        opt.close()
+    out["eager"] = {"param": bool(torch.equal(results["param"][0], results[None][0]))
+                    and _state_equal(results["param"][1], results[None][1]) and reloaded
+                    and results["param"][2] < 0.75 * results[None][2],
+                    "flat": True}
     # Parameters no rank uses (model[2], idle), and one laid out transposed.
     results = {}
     for shard in (None, "param", "flat"):
@@ -198,16 +215,22 @@ def save(rank: int, world_size: int, paths: Dict[str, str]) -> Dict[str, Any]:
 
 def resume(rank: int, world_size: int, paths: Dict[str, str],
            saved: Dict[str, Any]) -> Dict[str, Any]:
-    """Load each checkpoint (saved by another world size) into "flat", "param" and
-    unsharded optimizers; each equals the saved state, and all three then train alike."""
+    """Load each checkpoint (saved by another world size) into "flat", "param", unsharded
+    and eager "param" optimizers; each equals the saved state, and all then train alike
+    (the eager one runs torch.optim's Adam: within float precision of the others)."""
     out = {}
     for source, path in paths.items():
-        for shard in ("flat", "param", None):
+        for shard in ("flat", "param", None, "eager"):
             model = make_model()
             model.load_state_dict(saved[source]["model"])
-            opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
-                                        bucket_cap_mb=BUCKETS_MB, shard=shard)
-            opt.load(path)
+            cls = eager_class(torch.optim.Adam) if shard == "eager" else torch.optim.Adam
+            opt = DataParallelOptimizer(cls, groups(model, 1e-2), lr=1e-2,
+                                        bucket_cap_mb=BUCKETS_MB,
+                                        shard="param" if shard == "eager" else shard)
+            if shard == "eager":  # the checkpoint names its class, Adam
+                opt.load_state_dict(saved[source]["saved"])
+            else:
+                opt.load(path)
             loaded = _state_equal(opt.state_dict(), saved[source]["saved"])
             train(opt, model, rank, world_size, 3, first=3)
             out[f"{source}->{shard}"] = {"loaded": loaded, "params": flat_params(model)}
@@ -223,7 +246,7 @@ def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
         "flat-adafactor": lambda: DataParallelOptimizer(torch.optim.Adafactor,
                                                         model.parameters(), shard="flat"),
         "eager": lambda: DataParallelOptimizer(eager_class(torch.optim.SGD), model.parameters(),
-                                               lr=0.1, shard="param"),
+                                               lr=0.1, shard="flat"),
     }
     out = {}
     for name, call in calls.items():

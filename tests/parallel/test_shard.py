@@ -74,10 +74,14 @@ def test_checkpoints_saved_by_two_ranks_load_on_three(tmp_path):
     resumed = run_world(shard_ranks.resume, 3, paths, saved[0])
     for source in paths:
         for r in range(3):
-            for shard in ("flat", "param", "None"):
+            for shard in ("flat", "param", "None", "eager"):
                 key = f"{source}->{shard}"
                 assert resumed[r][key]["loaded"], (r, key)
-                assert torch.equal(resumed[r][key]["params"], resumed[0][f"{source}->None"]["params"])
+                expected = resumed[0][f"{source}->None"]["params"]
+                if shard == "eager":  # torch.optim.Adam's kernel, not the compiled one
+                    assert torch.allclose(resumed[r][key]["params"], expected, rtol=0, atol=1e-6)
+                else:
+                    assert torch.equal(resumed[r][key]["params"], expected)
     # a state saved with "param" and one saved with "flat" resume to the same parameters
     assert torch.equal(resumed[0]["flat->None"]["params"], resumed[0]["param->None"]["params"])
 
@@ -93,4 +97,4 @@ def test_bad_arguments_are_named():
     assert "Invalid shard: 'rows'" in out["mode"]
     assert "Invalid shard: 'flat' for Adafactor" in out["flat-adafactor"]
     assert "shard='param'" in out["flat-adafactor"]
-    assert "EagerSGD" in out["eager"] and "functional twin" in out["eager"]
+    assert "'flat' for EagerSGD" in out["eager"] and "functional twin" in out["eager"]
