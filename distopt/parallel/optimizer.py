@@ -164,8 +164,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._check_same_everywhere(all_params, group_of, bucket_cap_mb)
         self._broadcast_parameters(all_params)
         if shard is not None:
-            pieces = _shard.split(self._buckets, world_size, shard,
-                                  [b.buffer.element_size() for b in self._buckets])
+            adafactor = getattr(torch.optim, "Adafactor", None)
+            name = "Adafactor" if adafactor and issubclass(optimizer_class, adafactor) else ""
+            pieces = _shard.split(self._buckets, world_size, shard, [
+                [_shard.state_size(name, p) * p.element_size() for p in b.params]
+                for b in self._buckets
+            ])
             for bucket, parts in zip(self._buckets, pieces):
                 bucket.shard = _shard.Shard(bucket, parts, rank, whole=shard == "param")
 

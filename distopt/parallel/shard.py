@@ -30,7 +30,10 @@ from torch import Tensor
 from distopt._torch import all_gather_flat
 from distopt.parallel.buckets import Bucket
 
-__all__ = ["ALIGN", "MODES", "SHAPED", "Piece", "Shard", "cut_state", "merge_pieces", "own_shapes", "split"]
+__all__ = [
+    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "cut_state", "laid_out", "merge_pieces", "split",
+    "state_size",
+]
 
 #: Cuts inside a parameter fall at multiples of this many elements from its start.
 ALIGN = 64
@@ -82,8 +85,8 @@ class Shard:
         for piece, place in zip(self.own, self._places[rank]):
             p = bucket.params[piece.slot]
             grad = bucket.grads[piece.slot]
-            if whole and piece.stop - piece.start == p.numel():
-                self.views.append(place.view(p.shape))
+            if piece.stop - piece.start == p.numel() and (whole or not p.is_contiguous()):
+                self.views.append(laid_out(place, p))
                 self.grads.append(grad)
             else:
                 self.views.append(place)
@@ -96,9 +99,17 @@ class Shard:
         if not self.own:
             return
         params = self.bucket.params
+        targets, sources = [], []
         with torch.no_grad():
-            sources = [params[p.slot].reshape(-1)[p.start:p.stop] for p in self.own]
-            torch._foreach_copy_(self._places[self.rank], sources)
+            for piece, place, view in zip(self.own, self._places[self.rank], self.views):
+                p = params[piece.slot]
+                if p.is_contiguous():
+                    targets.append(place)
+                    sources.append(p.view(-1)[piece.start:piece.stop])
+                else:  # whole, laid out as the parameter is
+                    view.copy_(p)
+            if targets:
+                torch._foreach_copy_(targets, sources)
 
     def gather(self, group: Any) -> Any:
         """Start the all_gather of every rank's part (returns the work)."""
@@ -108,7 +119,6 @@ class Shard:
         """Copy every rank's pieces from ``buffer`` into the parameters."""
         params = self.bucket.params
         targets, sources = [], []
-        odd: Dict[int, List[Tuple[Piece, Tensor]]] = {}
         with torch.no_grad():
             for part, places in zip(self.pieces, self._places):
                 for piece, place in zip(part, places):
@@ -116,24 +126,45 @@ class Shard:
                     if p.is_contiguous():
                         targets.append(p.view(-1)[piece.start:piece.stop])
                         sources.append(place)
-                    else:
-                        odd.setdefault(piece.slot, []).append((piece, place))
+                    else:  # whole, laid out as the parameter is
+                        p.copy_(laid_out(place, p))
             if targets:
                 torch._foreach_copy_(targets, sources)
-            for slot, parts in odd.items():
-                p = params[slot]
-                flat = p.reshape(-1).clone()
-                for piece, place in parts:
-                    flat[piece.start:piece.stop] = place
-                p.copy_(flat.view(p.shape))
 
     def gathered_bytes(self, world_size: int) -> int:
         """The bytes one rank sends for the gather (its part, to every other rank)."""
         return (world_size - 1) * self.width * self.buffer.element_size()
 
 
+def laid_out(place: Tensor, p: Tensor) -> Tensor:
+    """``place`` (``p.numel()`` elements of a flat buffer) seen with ``p``'s shape and, for
+    a dense parameter in another memory order (transposed, channels_last), its strides: the
+    kernels then meet the elements in the order they meet ``p``'s."""
+    if not p.is_contiguous() and _dense(p):
+        return place.as_strided(p.shape, p.stride())
+    return place.view(p.shape)
+
+
+def _dense(p: Tensor) -> bool:
+    """Whether ``p``'s elements fill ``p.numel()`` consecutive places (in some order)."""
+    expected = 1
+    for size, stride in sorted(zip(p.shape, p.stride()), key=lambda t: t[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def state_size(class_name: str, p: Tensor) -> int:
+    """The elements of state ``p`` costs, relative to other parameters of one optimizer:
+    Adafactor keeps a matrix's second moment as a row and a column vector."""
+    if class_name == "Adafactor" and p.dim() >= 2:
+        return p.numel() // p.shape[-1] + p.numel() // p.shape[-2]
+    return p.numel()
+
+
 def split(
-    buckets: Sequence[Bucket], world_size: int, mode: str, state_per_element: Sequence[int]
+    buckets: Sequence[Bucket], world_size: int, mode: str, weights: Sequence[Sequence[int]]
 ) -> List[List[List[Piece]]]:
     """Every bucket's pieces per rank.
 
@@ -141,8 +172,8 @@ def split(
         buckets: the buckets, in reduction order.
         world_size: the number of ranks.
         mode: ``"param"`` or ``"flat"``.
-        state_per_element: per bucket, a weight per element (the state bytes an element
-            costs) for balancing ``"param"`` across buckets of different dtypes.
+        weights: per bucket, per parameter, the state bytes it costs (``state_size`` times
+            the element size), for balancing ``"param"``.
 
     Returns:
         ``out[b][r]``: rank ``r``'s pieces of bucket ``b``.
@@ -150,14 +181,13 @@ def split(
     if mode == "param":
         load = [0] * world_size
         out = []
-        for bucket, weight in zip(buckets, state_per_element):
+        for bucket, costs in zip(buckets, weights):
             parts: List[List[Piece]] = [[] for _ in range(world_size)]
-            order = sorted(range(len(bucket.params)), key=lambda k: -bucket.params[k].numel())
+            order = sorted(range(len(bucket.params)), key=lambda k: -costs[k])
             for k in order:
                 r = min(range(world_size), key=lambda q: (load[q], q))
-                n = bucket.params[k].numel()
-                load[r] += n * weight
-                parts[r].append(Piece(k, 0, n))
+                load[r] += costs[k]
+                parts[r].append(Piece(k, 0, bucket.params[k].numel()))
             for part in parts:
                 part.sort()
             out.append(parts)
@@ -168,9 +198,13 @@ def split(
 def _split_flat(bucket: Bucket, world_size: int) -> List[List[Piece]]:
     sizes = [p.numel() for p in bucket.params]
     total = sum(sizes)
+    # A parameter in another memory order is not cut: a piece of it could not be laid out
+    # as the parameter is.
+    whole = [not p.is_contiguous() for p in bucket.params]
     cuts = [0]
     for r in range(1, world_size):
-        cuts.append(max(cuts[-1], _allowed_near(bucket.offsets, sizes, total * r / world_size)))
+        target = total * r / world_size
+        cuts.append(max(cuts[-1], _allowed_near(bucket.offsets, sizes, whole, target)))
     cuts.append(total)
     parts: List[List[Piece]] = []
     for r in range(world_size):
@@ -184,11 +218,14 @@ def _split_flat(bucket: Bucket, world_size: int) -> List[List[Piece]]:
     return parts
 
 
-def _allowed_near(offsets: Sequence[int], sizes: Sequence[int], target: float) -> int:
+def _allowed_near(offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[bool],
+                  target: float) -> int:
     """The cut nearest ``target``: a parameter boundary, or a multiple of ALIGN elements
-    from the start of the parameter it falls in."""
-    for offset, n in zip(offsets, sizes):
+    from the start of the parameter it falls in (unless that one is ``whole``)."""
+    for offset, n, keep in zip(offsets, sizes, whole):
         if offset <= target < offset + n:
+            if keep:
+                return offset if target - offset <= offset + n - target else offset + n
             below = offset + int((target - offset) // ALIGN) * ALIGN
             above = min(below + ALIGN, offset + n)
             return below if target - below <= above - target else above
@@ -226,11 +263,6 @@ def cut_state(
         else:
             out[key] = value
     return out
-
-
-def own_shapes(shard: Shard) -> List[Tuple[int, int, torch.Size]]:
-    """``(start, stop, shape)`` of each own piece's state tensors."""
-    return [(p.start, p.stop, v.shape) for p, v in zip(shard.own, shard.views)]
 
 
 def merge_pieces(

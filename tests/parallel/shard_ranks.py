@@ -165,30 +165,54 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
                     and _state_equal(results["param"][1], results[None][1]) and reloaded
                     and results["param"][2] < 0.75 * results[None][2],
                     "flat": True}
+    # Adafactor keeps a matrix's state as two vectors: balanced by state, not elements.
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(100, 100))] + [
+        torch.nn.Parameter(torch.randn(500)) for _ in range(20)]
+    held = {}
+    for shard in (None, "param"):
+        opt = DataParallelOptimizer(torch.optim.Adafactor, params, lr=1e-2, shard=shard)
+        sum(((p - 1) ** 2).sum() for p in params).backward()
+        opt.step()
+        opt.zero_grad()
+        held[shard] = opt.state_bytes()
+        if shard is None:
+            largest = max(sum(v.numel() * v.element_size() for v in e.values())
+                          for e in opt._local.torch_state(copy=False).values())
+        opt.close()
+    out["adafactor-bound"] = {
+        "param": held["param"] <= math.ceil(held[None] / world_size) + largest, "flat": True,
+    }
     # Parameters no rank uses (model[2], idle), and one laid out transposed.
     results = {}
     for shard in (None, "param", "flat"):
         torch.manual_seed(0)
         model = make_model()
-        odd = torch.nn.Parameter(torch.randn(29, 53).t())  # 53 x 29, strides (1, 53)
+        # 53 x 30 with strides (1, 53), and a channels_last conv weight: 1,590 and 735
+        # elements, not multiples of the kernels' vector width, so the last elements are
+        # stepped apart, and must be the same ones as when the whole parameter is stepped.
+        odd = torch.nn.Parameter(torch.randn(30, 53).t())
+        conv = torch.nn.Parameter(torch.randn(5, 3, 7, 7).to(memory_format=torch.channels_last))
         idle = torch.nn.Parameter(torch.randn(70))
-        opt = DataParallelOptimizer(torch.optim.SGD, list(model.parameters()) + [odd, idle],
+        extra = [odd, conv, idle]
+        opt = DataParallelOptimizer(torch.optim.SGD, list(model.parameters()) + extra,
                                     lr=1e-2, momentum=0.9, bucket_cap_mb=BUCKETS_MB, shard=shard)
-        for step in range(4):
+        for step in range(8):
             x, y = batch(rank, world_size, step)
             h = model[1](model[0](x))
-            ((model[4](model[3](h @ odd)) - y) ** 2).mean().backward()
+            loss = ((model[4](model[3](h @ odd[:, :29])) - y) ** 2).mean()
+            (loss + x[:, :1].mean() * (conv ** 2).sum() * 1e-3).backward()
             opt.step()
             opt.zero_grad()
-        results[shard] = (torch.cat([flat_params(model), odd.detach().reshape(-1),
-                                     idle.detach()]), opt.state_dict())
-        assert not odd.is_contiguous()
+        results[shard] = (torch.cat([flat_params(model)] + [t.detach().reshape(-1) for t in extra]),
+                          opt.state_dict())
+        assert not odd.is_contiguous() and not conv.is_contiguous()
         opt.close()
     out["odd"] = {
         shard: bool(torch.equal(results[shard][0], results[None][0]))
         and _state_equal(results[shard][1], results[None][1])
         # model[2] (skipped by the forward above) and ``idle`` have no state
-        and sorted(results[shard][1]["state"]) == [0, 1, 4, 5, 6]
+        and sorted(results[shard][1]["state"]) == [0, 1, 4, 5, 6, 7]
         for shard in ("param", "flat")
     }
     return out
