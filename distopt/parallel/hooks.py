@@ -37,7 +37,7 @@ from distopt.local_optimizer import CompiledLocalOptimizer
 from distopt.param_groups import as_keywords, pending_changes, snapshot
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, TopK, dense_reduction
-from distopt.parallel.optimizer import _group_info, _param_groups
+from distopt.parallel.optimizer import _group_info, _param_groups, saved_layout
 from functional import functional_optim_map
 from functional._state import check_hyperparameter
 
@@ -568,27 +568,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if not isinstance(state_dict, dict) or "state" not in state_dict or (
-            "param_groups" not in state_dict
-        ):
-            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(
-                f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
-            )
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"Invalid state_dict: {len(saved_groups)} param groups (expected "
-                f"{len(self.param_groups)})"
-            )
-        saved_ids: List[Any] = []
-        for j, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
-                    f"parameters (expected {len(group['params'])})"
-                )
-            saved_ids.extend(saved["params"])
+        saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
+        for j, saved in enumerate(saved_groups):
             for key in self._hyper_keys:
                 if key in saved:
                     check_hyperparameter(

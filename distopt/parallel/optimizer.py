@@ -550,27 +550,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` against this optimizer; return what loads it (no check left
         to fail but the eager optimizer's own)."""
-        if not isinstance(state_dict, dict) or "state" not in state_dict or (
-            "param_groups" not in state_dict
-        ):
-            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(
-                f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
-            )
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"Invalid state_dict: {len(saved_groups)} param groups (expected "
-                f"{len(self.param_groups)})"
-            )
-        saved_ids = []
-        for j, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
-                    f"parameters (expected {len(group['params'])})"
-                )
-            saved_ids.extend(saved["params"])
+        saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
         residuals = self._check_residuals(state_dict, saved_ids)
         load_codec = self._codec.checked_loader(state_dict.get("compression"))
         rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
@@ -890,6 +870,37 @@ def _weak_call(method: Any) -> Callable[..., Any]:
         return None if bound is None else bound(*args)
 
     return call
+
+
+def saved_layout(state_dict: Any, param_groups: List[Dict[str, Any]]) -> Any:
+    """A state_dict's param groups and its ids of the parameters, in order, checked to
+    match ``param_groups`` in number.
+
+    Raises:
+        ValueError: not a state_dict, another group count or parameter count, named.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or (
+        "param_groups" not in state_dict
+    ):
+        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
+        )
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"Invalid state_dict: {len(saved_groups)} param groups (expected "
+            f"{len(param_groups)})"
+        )
+    saved_ids: List[Any] = []
+    for j, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
+                f"parameters (expected {len(group['params'])})"
+            )
+        saved_ids.extend(saved["params"])
+    return saved_groups, saved_ids
 
 
 def _gather_on(group: Any) -> Callable[[Bucket], Any]:

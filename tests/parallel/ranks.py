@@ -17,12 +17,14 @@ from tests.parallel.cases import CASES
 SMALL_BUCKETS_MB = 256 / 2**20
 
 
-def make_model(biases: bool = True, seed: int = 0) -> torch.nn.Module:
+def make_model(biases: bool = True, seed: int = 0, sizes=(6, 12, 8, 1)) -> torch.nn.Module:
+    """Three Linear layers (``sizes``: their widths), Tanh between."""
     torch.manual_seed(seed)
+    a, b, c, d = sizes
     return torch.nn.Sequential(
-        torch.nn.Linear(6, 12, bias=biases), torch.nn.Tanh(),
-        torch.nn.Linear(12, 8, bias=biases), torch.nn.Tanh(),
-        torch.nn.Linear(8, 1, bias=biases),
+        torch.nn.Linear(a, b, bias=biases), torch.nn.Tanh(),
+        torch.nn.Linear(b, c, bias=biases), torch.nn.Tanh(),
+        torch.nn.Linear(c, d, bias=biases),
     )
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, TopK
 from tests.parallel.cases import CASES
+from tests.parallel import ranks
 from tests.parallel.ranks import eager_class, flat_params
 
 #: Buckets of at most 1,200 float32 elements: the model below has four, one holding
@@ -22,12 +23,7 @@ SHAPED = ("Adafactor", "Muon")
 
 
 def make_model(biases: bool = True, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(37, 53, bias=biases), torch.nn.Tanh(),
-        torch.nn.Linear(53, 29, bias=biases), torch.nn.Tanh(),
-        torch.nn.Linear(29, 1, bias=biases),
-    )
+    return ranks.make_model(biases, seed, sizes=(37, 53, 29, 1))
 
 
 def batch(rank: int, world_size: int, step: int, n: int = 8):
