@@ -218,12 +218,12 @@ def train(rank: int, world_size: int, options: argparse.Namespace) -> None:
             )
             window = []
             since, sent_since = time.perf_counter(), wchar()
-    with torch.no_grad():
-        held_after = F.mse_loss(model(x_held), y_held).item()
     held = torch.tensor([opt.state_bytes()], dtype=torch.int64)
     every = [torch.zeros_like(held) for _ in range(world_size)]
     dist.all_gather(every, held)
     say(f"optimizer state per rank: {[int(b) for b in every]} bytes", flush=True)
+    with torch.no_grad():
+        held_after = F.mse_loss(model(x_held), y_held).item()
     final = sum(losses[-FINAL_WINDOW:]) / len(losses[-FINAL_WINDOW:])
     say(
         f"loss: first {losses[0]:.4f} -> final {final:.4f} (step 1; mean of the last "
