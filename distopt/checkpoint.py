@@ -25,12 +25,21 @@ place. Two saves into the same directory at once are not supported.
 
 ``load`` checks the manifest against the optimizer on the trainer, then has every owner
 read and check its part (first round) before any owner changes anything (second round).
+A checkpoint cannot lie about what it holds: the manifest records each shard's size,
+SHA-256 and parameters, and each shard records its own name and parameters. The trainer
+refuses, naming the file, a manifest that does not parse, a shard name that leaves the
+directory (``../x``, an absolute path, a symlink out), parameters not covered exactly once,
+a shard missing, of another size, or not named by the manifest (an extra shard of its
+generation); each owner refuses a shard whose SHA-256, recorded name or parameters differ
+from the manifest's (renamed or swapped files), or that is not tensors-only.
 """
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import re
+import resource
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
@@ -48,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "distopt.checkpoint"
-VERSION = 1
+VERSION = 2
 
 #: Test hook, called with ``(stage, path)``: on an owner at ``"shard-written"`` (its shard
 #: is in the temporary file, not yet fsync'ed or renamed), on the trainer at
@@ -152,6 +161,11 @@ def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
         raise FileNotFoundError(
             f"Invalid checkpoint path: {path!r} (expected a directory holding {MANIFEST})"
         ) from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(
+            f"Invalid checkpoint: {manifest_path!r} does not parse as JSON ({exc}); expected "
+            f"the manifest that DistributedOptimizer.save writes"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"Invalid checkpoint: {manifest_path!r} (expected a {FORMAT} manifest)")
     if manifest.get("version") != VERSION:
@@ -179,7 +193,9 @@ def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
                 f"Invalid checkpoint: parameter {i} has shape {shape} (expected "
                 f"{tuple(layout.param_shapes[i])})"
             )
-    file_of = {i: shard["file"] for shard in manifest["shards"] for i in shard["params"]}
+    shards = _checked_shards(path, manifest, len(saved_params))
+    file_of = {i: shard["file"] for shard in shards for i in shard["params"]}
+    expected = {shard["file"]: shard for shard in shards}
     saved_id_of = {i: saved_id for saved_id, i in id_map.items()}
     token = uuid.uuid4().hex
     stage_calls = {}
@@ -188,10 +204,98 @@ def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
         files = sorted({file_of[s] for s in wanted if s in file_of})
         stage_calls[part.name] = (
             part.info, stage_shards,
-            (part.rref, path, files, manifest["generation"], wanted, token),
+            (part.rref, path, files, manifest["generation"], wanted, token,
+             {name: expected[name] for name in files}),
         )
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     state.stage_and_commit(layout, trainer, "load", stage_calls, token, hyper)
+
+
+def _checked_shards(path: str, manifest: Dict[str, Any], count: int) -> List[Dict[str, Any]]:
+    """The manifest's shards, checked against the directory before any owner reads one.
+
+    Raises:
+        ValueError: naming the file and what is wrong (see the module's docstring).
+    """
+    shards = manifest.get("shards")
+    where = os.path.join(path, MANIFEST)
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise ValueError(f"Invalid checkpoint {path!r}: {where!r} has no list of shards")
+    owner_of: Dict[int, str] = {}
+    names = set()
+    for shard in shards:
+        name = shard.get("file")
+        _check_name(path, name)
+        if name in names:
+            raise ValueError(f"Invalid checkpoint {path!r}: shard {name!r} is listed twice in {where!r}")
+        names.add(name)
+        params, size, digest = shard.get("params"), shard.get("bytes"), shard.get("sha256")
+        if not isinstance(params, list) or not isinstance(size, int) or not isinstance(digest, str):
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: shard {name!r} in {where!r} lacks its parameters, size "
+                f"or sha256 (expected a manifest written by this version of distopt)"
+            )
+        for i in params:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < count:
+                raise ValueError(
+                    f"Invalid checkpoint {path!r}: shard {name!r} covers parameter {i!r} (expected "
+                    f"0 to {count - 1})"
+                )
+            if i in owner_of:
+                raise ValueError(
+                    f"Invalid checkpoint {path!r}: parameter {i} is covered by shards {owner_of[i]!r} "
+                    f"and {name!r} (expected exactly one)"
+                )
+            owner_of[i] = name
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise ValueError(f"Invalid checkpoint {path!r}: shard {full!r} is missing")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: shard {full!r} holds {actual} bytes (expected {size}, "
+                f"the manifest's)"
+            )
+    missing = [i for i in range(count) if i not in owner_of]
+    if missing:
+        raise ValueError(
+            f"Invalid checkpoint {path!r}: parameters {missing[:10]} are in no shard of {where!r} "
+            f"(expected every parameter in exactly one)"
+        )
+    generation = manifest.get("generation")
+    extra = sorted(n for n in os.listdir(path)
+                   if _generation_of(n) == generation and not n.startswith(".") and n not in names)
+    if extra:
+        raise ValueError(
+            f"Invalid checkpoint {path!r}: {extra} in {path!r} carry generation {generation!r} but "
+            f"{where!r} does not name them (a renamed or extra shard)"
+        )
+    return shards
+
+
+def _check_name(path: str, name: Any) -> None:
+    """A shard name must be a plain file name whose file lies in ``path`` itself."""
+    if not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name) or (
+        "\\" in name or os.path.isabs(name)
+    ):
+        raise ValueError(
+            f"Invalid checkpoint {path!r}: shard name {name!r} (expected a file name inside {path!r})"
+        )
+    real = os.path.realpath(os.path.join(path, name))
+    if os.path.dirname(real) != os.path.realpath(path):
+        raise ValueError(
+            f"Invalid checkpoint {path!r}: shard {name!r} resolves to {real!r}, outside {path!r} (a "
+            f"symlink out of the checkpoint)"
+        )
+
+
+def sha256_of(name: str) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    digest = hashlib.sha256()
+    with open(name, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _class_name(cls: type) -> str:
@@ -278,12 +382,53 @@ def write_atomic(path: str, write: Callable[[str], Any], stage: str = "") -> int
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except Exception as exc:
+        cause = _cause(directory, tmp, exc)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        errno = getattr(exc, "errno", None) or 0
+        raise OSError(errno, f"Invalid save: could not write {path!r}: {cause}") from exc
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
     _fsync_directory(directory)
     return size
+
+
+def _cause(directory: str, tmp: str, exc: BaseException) -> str:
+    """Why a write failed, in words: torch.save's C++ writer reports "iostream error" or
+    "open file failed" without the path or the reason, so the likely ones are checked."""
+    errno = getattr(exc, "errno", None)
+    if errno:
+        return f"{os.strerror(errno)} ({type(exc).__name__}: {exc})"
+    with contextlib.suppress(OSError):
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and os.path.getsize(tmp) >= limit:
+            return f"file too large (the process's RLIMIT_FSIZE is {limit} bytes) ({exc})"
+    with contextlib.suppress(OSError):
+        stats = os.statvfs(directory)
+        if stats.f_bavail * stats.f_frsize < (1 << 20):
+            return f"no space left on device ({exc})"
+    if not os.access(directory, os.W_OK) or _immutable(directory):
+        return f"permission denied: the directory cannot be written ({exc})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _immutable(directory: str) -> bool:
+    """Whether creating a file in ``directory`` fails with EPERM/EACCES (root passes
+    ``os.access`` checks, but not an immutable or read-only directory)."""
+    probe = os.path.join(directory, f".probe-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(probe, "wb"):
+            pass
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        os.remove(probe)
+    return False
 
 
 def _write_bytes(name: str, data: bytes) -> None:
@@ -313,7 +458,7 @@ def write_shard(
     parameters wait for the write.
 
     Returns:
-        ``{"file", "params", "bytes"}`` for the manifest, or a ``RemoteFailure``.
+        ``{"file", "params", "bytes", "sha256"}`` for the manifest, or a ``RemoteFailure``.
     """
     local = optimizer_rref.local_value()
     os.makedirs(directory, exist_ok=True)
@@ -323,6 +468,8 @@ def write_shard(
             "version": VERSION,
             "generation": generation,
             "owner": rpc.get_worker_info().name,
+            "file": file_name,
+            "params": [i for indices in local.global_indices for i in indices],
             "state": local.torch_state(copy=False),
             "param_groups": [
                 {**h, "params": list(indices)}
@@ -339,6 +486,7 @@ def write_shard(
         "file": file_name,
         "params": [i for indices in local.global_indices for i in indices],
         "bytes": size,
+        "sha256": sha256_of(os.path.join(directory, file_name)),
     }
 
 
@@ -350,6 +498,7 @@ def stage_shards(
     generation: str,
     wanted: Dict[int, int],
     token: str,
+    expected: Dict[str, Dict[str, Any]],
 ) -> None:
     """RPC target: read and check this owner's part of a checkpoint; change nothing yet.
 
@@ -360,6 +509,7 @@ def stage_shards(
         generation: the manifest's generation; every shard must carry it.
         wanted: saved parameter id -> this optimizer's global index, for local parameters.
         token: names the staged part for ``commit_staged`` / ``discard_staged``.
+        expected: per file, the manifest's entry: its SHA-256 and parameters.
     """
     local = optimizer_rref.local_value()
     shapes = {
@@ -369,9 +519,29 @@ def stage_shards(
     }
     staged: Dict[int, Dict[str, Any]] = {}
     for file_name in files:
-        data = torch.load(
-            os.path.join(directory, file_name), map_location="cpu", weights_only=True, mmap=True
-        )
+        full = os.path.join(directory, file_name)
+        digest = sha256_of(full)
+        if digest != expected[file_name]["sha256"]:
+            raise ValueError(
+                f"Invalid shard {full!r}: sha256 {digest} (expected "
+                f"{expected[file_name]['sha256']}, the manifest's): the file is corrupted or "
+                f"not the one saved under this name"
+            )
+        try:
+            data = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise ValueError(
+                f"Invalid shard {full!r}: not a tensors-only file torch.load(weights_only=True)"
+                f" accepts ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
+        if not isinstance(data, dict) or data.get("file") != file_name or (
+            data.get("params") != expected[file_name]["params"]
+        ):
+            got = (data.get("file"), data.get("params")) if isinstance(data, dict) else type(data)
+            raise ValueError(
+                f"Invalid shard {full!r}: it was written as {got!r} (expected {file_name!r} "
+                f"covering {expected[file_name]['params']}, the manifest's): renamed or swapped"
+            )
         if data.get("generation") != generation:
             raise ValueError(
                 f"Invalid shard {file_name!r}: generation {data.get('generation')!r} "

@@ -325,6 +325,16 @@ def fail_checkpoint_at(stage: str, crash: bool = False) -> None:
     checkpoint.fault_hook = hook
 
 
+def limit_file_size(limit: int) -> None:
+    """Set this process's RLIMIT_FSIZE soft limit (bytes; -1: unlimited again). Python
+    ignores SIGXFSZ, so a write past it fails with EFBIG instead of killing the process."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE,
+                       (resource.RLIM_INFINITY if limit < 0 else limit, hard))
+
+
 def clear_checkpoint_fault() -> None:
     """Remove any hook set by ``fail_checkpoint_at``."""
     from distopt import checkpoint

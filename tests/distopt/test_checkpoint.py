@@ -168,10 +168,28 @@ def test_owner_missing_its_shard_changes_nothing(world, tmp_path):
     harness.train(dist_opt, ref, rrefs, local, 1, first_step=1)
     before = dist_opt.state_dict()
     os.remove(tmp_path / manifest["shards"][1]["file"])
+    with pytest.raises(ValueError, match=r"shard .*-worker2\.pt' is missing"):
+        dist_opt.load(str(tmp_path))
+    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+
+
+def test_owner_unable_to_read_its_shard_changes_nothing(world, tmp_path):
+    """The trainer's checks pass, worker2's own read fails: worker1 read its shard fine but
+    changes nothing: no owner commits unless all staged."""
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 1)
+    manifest = dist_opt.save(str(tmp_path))
+    harness.train(dist_opt, ref, rrefs, local, 1, first_step=1)
+    before = dist_opt.state_dict()
+    name = tmp_path / manifest["shards"][1]["file"]
+    data = bytearray(name.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    name.write_bytes(bytes(data))
     with pytest.raises(DistributedOptimizerError) as info:
         dist_opt.load(str(tmp_path))
     assert list(info.value.failures) == ["worker2"]
-    # worker1 read its shard fine but changed nothing: no owner commits unless all staged.
+    assert "sha256" in str(info.value) and str(name) in str(info.value)
     harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
 
 
@@ -188,6 +206,13 @@ def test_load_refuses_a_shard_whose_state_lacks_a_key(world, tmp_path):
     data = torch.load(tmp_path / shard["file"], weights_only=True)
     del data["state"][3]["exp_avg_sq"]
     torch.save(data, tmp_path / shard["file"])
+    # ...and the manifest told the truth about the new file: the state check must catch it
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    for entry in on_disk["shards"]:
+        if entry["file"] == shard["file"]:
+            entry["bytes"] = os.path.getsize(tmp_path / shard["file"])
+            entry["sha256"] = checkpoint.sha256_of(str(tmp_path / shard["file"]))
+    (tmp_path / "manifest.json").write_text(json.dumps(on_disk))
     harness.train(dist_opt, ref, rrefs, local, 1, first_step=2)
     before = dist_opt.state_dict()
     with pytest.raises(InvalidStateError, match=r"worker2: ValueError: Invalid state\[3\]: no "
