@@ -3,7 +3,7 @@ import dataclasses
 import functools
 import logging
 import pickle
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -13,19 +13,26 @@ class DistributedOptimizerError(RuntimeError):
 
     The message has one line per failing worker, ``<worker>: <remote message>``; the same
     pairs are in ``failures``. The first worker's exception is chained as ``__cause__``.
+    ``succeeded`` names the workers whose part of the same round succeeded: after a failed
+    ``step`` those owners have applied it and the others have not (or, for one that did not
+    reply, may have), so the parameters are a mix of two steps until the last checkpoint is
+    loaded again.
 
     Args:
         message: the whole message.
         failures: worker name -> that worker's one-line message.
+        succeeded: the workers whose call of the round succeeded.
     """
 
-    def __init__(self, message: str, failures: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, message: str, failures: Optional[Dict[str, str]] = None,
+                 succeeded: Optional[List[str]] = None) -> None:
         super().__init__(message)
         self.failures: Dict[str, str] = dict(failures or {})
+        self.succeeded: List[str] = list(succeeded or [])
 
-    def __reduce__(self) -> Tuple[type, Tuple[str, Dict[str, str]]]:
+    def __reduce__(self) -> Tuple[type, Tuple[str, Dict[str, str], List[str]]]:
         # Keep ``failures`` when the error itself crosses an RPC (a trainer run remotely).
-        return (type(self), (str(self), self.failures))
+        return (type(self), (str(self), self.failures, self.succeeded))
 
 
 class InvalidStateError(DistributedOptimizerError, ValueError):
@@ -34,19 +41,28 @@ class InvalidStateError(DistributedOptimizerError, ValueError):
     and a DistributedOptimizerError naming every refusing worker; nothing was changed."""
 
 
-def compose_error(action: str, failures: Dict[str, str]) -> DistributedOptimizerError:
-    """The error for ``failures`` (worker name -> message), e.g. action ``"step"``.
+def compose_error(action: str, failures: Dict[str, str],
+                  succeeded: Optional[List[str]] = None) -> DistributedOptimizerError:
+    """The error for ``failures`` (worker name -> message), e.g. action ``"step"``;
+    ``succeeded``: the workers whose call of the round succeeded.
 
     An InvalidStateError when every worker refused its input with a ValueError in a round
     that loads state.
     """
+    succeeded = list(succeeded or [])
     lines = [f"DistributedOptimizer {action} failed on {len(failures)} worker(s):"]
     lines.extend(f"  {worker}: {message}" for worker, message in failures.items())
+    if action == "step" and succeeded:
+        lines.append(
+            f"  applied on {succeeded}: the parameters now mix this step (there) and the "
+            f"previous one (on the failed owners); load() the last checkpoint to get back "
+            f"to one consistent state"
+        )
     refused = action in ("load", "load_state_dict") and all(
         m.startswith("ValueError") for m in failures.values()
     )
     cls = InvalidStateError if refused else DistributedOptimizerError
-    return cls("\n".join(lines), failures)
+    return cls("\n".join(lines), failures, succeeded)
 
 
 def one_line(exc: BaseException) -> str:

@@ -74,7 +74,8 @@ def fan_out(
     if failures:
         if partial is not None:
             partial(results)
+        succeeded = list(results)
         # The traceback keeps this frame: it must not keep the results (RRefs) alive.
         del results, futures
-        raise compose_error(action, failures) from causes[0]
+        raise compose_error(action, failures, succeeded) from causes[0]
     return results

@@ -101,7 +101,11 @@ def test_step_failure_names_the_owner_and_others_still_step(world):
     with pytest.raises(DistributedOptimizerError) as info:
         remote.sum_step(optimizer, rrefs)
     assert info.value.failures == {"worker2": "RuntimeError: step refused on worker2"}
-    assert str(info.value).splitlines()[1:] == ["  worker2: RuntimeError: step refused on worker2"]
+    lines = str(info.value).splitlines()
+    assert lines[1] == "  worker2: RuntimeError: step refused on worker2"
+    # which owners applied it: the state is mixed, and the message says how to recover
+    assert info.value.succeeded == ["worker1"]
+    assert lines[2].startswith("  applied on ['worker1']") and "load() the last checkpoint" in lines[2]
     assert isinstance(info.value.__cause__, RuntimeError)
     assert torch.equal(rpc.rpc_sync("worker1", remote.value, args=(rrefs[0],)), torch.zeros(4))
     assert torch.equal(rpc.rpc_sync("worker2", remote.value, args=(rrefs[1],)), torch.ones(4))
@@ -131,9 +135,10 @@ def test_finished_context_fails_before_any_owner(world, rpc_calls, optimizer_cla
 def test_error_survives_pickling():
     import pickle
 
-    err = DistributedOptimizerError("boom", {"worker1": "ValueError: x"})
+    err = DistributedOptimizerError("boom", {"worker1": "ValueError: x"}, ["worker2"])
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == "boom" and back.failures == {"worker1": "ValueError: x"}
+    assert back.succeeded == ["worker2"]
 
 
 # ---------------------------------------------------------------- a dead owner
