@@ -7,6 +7,11 @@ Each example has a fixed world: a list of worker names, rank ``i`` taking ``name
 - Several machines: when ``RANK`` and ``WORLD_SIZE`` are in the environment (``torchrun``
   sets them, or set them yourself with ``MASTER_ADDR`` and ``MASTER_PORT``), ``run`` starts
   only this process's role and rendezvouses through ``env://``.
+
+torch RPC runs the pickled calls of any peer that reaches its port, so the processes talk
+over one network interface only: ``--interface IFNAME`` (``add_network_arguments``) sets
+``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``; a one-machine run uses the loopback
+interface ``lo`` unless told otherwise.
 """
 import logging
 import os
@@ -32,6 +37,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def add_network_arguments(parser: Any) -> None:
+    """``--interface``: the one network interface the example's processes talk over."""
+    parser.add_argument(
+        "--interface", default=None, metavar="IFNAME",
+        help="network interface for TensorPipe and gloo (sets TP_SOCKET_IFNAME and "
+             "GLOO_SOCKET_IFNAME); default: lo on one machine, else the environment's",
+    )
+
+
+def pin_interface(interface: Optional[str], local: bool) -> None:
+    """Make TensorPipe and gloo (in this process and the ones it spawns) use ``interface``
+    (None: ``lo`` for a ``local`` run, else leave the environment as it is).
+
+    Raises:
+        ValueError: no interface of that name on this machine.
+    """
+    if interface is None:
+        if not local:
+            return
+        interface = "lo"
+    names = [name for _, name in socket.if_nameindex()]
+    if interface not in names:
+        raise ValueError(f"Invalid --interface: {interface!r} (expected one of {names})")
+    os.environ["TP_SOCKET_IFNAME"] = interface
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
 def env_rank() -> Optional[Tuple[int, int]]:
     """``(RANK, WORLD_SIZE)`` from the environment, or None when this is a local run."""
     rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
@@ -54,6 +86,7 @@ def run(names: Sequence[str], role: Role, options: Any, rpc_timeout: float = 120
         ValueError: ``WORLD_SIZE`` or ``RANK`` from the environment does not fit ``names``.
     """
     from_env = env_rank()
+    pin_interface(getattr(options, "interface", None), local=from_env is None)
     if from_env is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(

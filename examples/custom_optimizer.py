@@ -126,6 +126,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step")
     parser.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
     parser.add_argument("--seed", type=int, default=0, help="data seed")
+    _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
     for name in ("steps", "features", "batch_size", "log_every"):
         if getattr(options, name) < 1:

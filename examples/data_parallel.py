@@ -286,6 +286,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a collective waits for a lost peer")
+    _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
     for name in ("steps", "nproc", "backward_passes", "batch_size", "features", "hidden",
                  "layers", "log_every"):
@@ -317,6 +318,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> None:
     options = parse_args(argv)
     from_env = _launch.env_rank()
+    _launch.pin_interface(options.interface, local=from_env is None)
     if from_env is None:
         init_method = f"tcp://127.0.0.1:{_launch.free_port()}"
         mp.spawn(run_rank, args=(options.nproc, init_method, options), nprocs=options.nproc,

@@ -417,6 +417,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="continue from the checkpoint in --checkpoint")
     parser.add_argument("--stop-after", type=int, default=0,
                         help="stop after this step as if interrupted (0: run to --steps)")
+    _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
     if options.resume and not options.checkpoint:
         parser.error("Invalid --resume: given without --checkpoint (expected a directory)")

@@ -209,6 +209,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64, help="hidden layer size")
     parser.add_argument("--log-every", type=int, default=100, help="steps between progress lines")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
     for name in ("trainers", "steps", "batch_size", "features", "hidden", "log_every"):
         if getattr(options, name) < 1:

@@ -156,6 +156,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1024, help="interactions per step")
     parser.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
     parser.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
+    _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
     for name in ("steps", "users", "items", "dim", "rank", "batch_size", "log_every"):
         if getattr(options, name) < 1:

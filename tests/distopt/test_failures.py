@@ -186,3 +186,7 @@ def test_dead_owner_is_named_within_the_rpc_timeout(how, timeout_s):
         assert outcome.get("failures", {}).keys() == {"worker1"}, outcome
         assert "worker1: " in outcome["error"]
         assert outcome["seconds"] < timeout_s + 5, outcome
+    # ...and the trainer can leave at once: rpc.shutdown(graceful=False) does not wait for
+    # the lost owner, and the trainer process then exits (joined above, within 30 s)
+    assert report["shutdown_seconds"] < 5.0, report
+    assert trainer.exitcode == 0, trainer.exitcode

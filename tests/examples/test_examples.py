@@ -159,3 +159,31 @@ def test_optimizer_option_lists_what_trains_and_refuses_the_rest(script: str) ->
         optim = script_optimizer(functional_optim_map[torch.optim.SparseAdam](params))
         optim.step([torch.ones_like(p) for p in params])
     assert set(module.REFUSED) == {"LBFGS", "Muon", "SparseAdam"}
+
+
+def _launch_module():
+    spec = importlib.util.spec_from_file_location(
+        "_launch_for_test", os.path.join(ROOT, "examples", "_launch.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_examples_talk_over_one_interface(monkeypatch) -> None:
+    """torch RPC runs any connecting peer's pickled calls: the examples pin TensorPipe and
+    gloo to one interface, loopback for a one-machine run, and refuse an unknown one."""
+    launch = _launch_module()
+    for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    launch.pin_interface(None, local=False)  # several machines, no --interface: as given
+    assert "TP_SOCKET_IFNAME" not in os.environ
+    launch.pin_interface(None, local=True)
+    assert os.environ["TP_SOCKET_IFNAME"] == os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    with pytest.raises(ValueError, match=r"Invalid --interface: 'nosuch' \(expected one of "):
+        launch.pin_interface("nosuch", local=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "parameter_server.py"),
+         "--interface", "nosuch"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert proc.returncode != 0 and "Invalid --interface: 'nosuch'" in proc.stderr
