@@ -169,8 +169,8 @@ def test_load_refuses_each_corruption_before_any_owner_changes(world, tmp_path, 
         dist_opt.load(str(path))
     assert str(path) in str(info.value) or "../x" in str(info.value), str(info.value)
     if isinstance(info.value, DistributedOptimizerError):  # refused by the owner reading it
-        # the others read their shards and staged them, and committed nothing either
-        assert len(info.value.failures) == 1 and len(info.value.succeeded) >= 1
+        # every owner read its part (those not named staged it) and none committed
+        assert info.value.failures and len(info.value.failures) + len(info.value.succeeded) == 2
     harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
     # the optimizer goes on exactly as torch.optim does: nothing was half-loaded
     harness.train(dist_opt, ref, rrefs, local, 1, first_step=3)
