@@ -34,6 +34,8 @@ class Bucket:
         hooked: per parameter, the number of the last backward pass whose hook saw it.
         pending: parameters the current reducing pass has not seen yet.
         launched: whether this window's reduction of the bucket has been started.
+        last: whether it is the last bucket reduced in a step (torch's PowerSGD state
+            counts a step there); ``assign_buckets`` marks it, DDP's hooks per call.
     """
 
     def __init__(self, index: int, params: List[Tensor], positions: List[int]) -> None:
@@ -57,6 +59,7 @@ class Bucket:
         self.hooked = [-1] * len(params)
         self.pending = len(params)
         self.launched = False
+        self.last = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,4 +109,7 @@ def assign_buckets(
     # Order by the first parameter each bucket serves in reverse registration order.
     order = {id(p): k for k, p in enumerate(reversed(list(params)))}
     closed.sort(key=lambda mi: order[id(mi[0][0])])
-    return [Bucket(k, members, indices) for k, (members, indices) in enumerate(closed)]
+    buckets = [Bucket(k, members, indices) for k, (members, indices) in enumerate(closed)]
+    if buckets:
+        buckets[-1].last = True  # the communication thread issues in bucket order
+    return buckets

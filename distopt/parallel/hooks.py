@@ -99,8 +99,8 @@ class CompressionHookState:
         codec = dense_reduction() if compression is None else compression
         if isinstance(codec, TopK) and codec.ratio == 1.0:
             codec = dense_reduction()  # the same average, bit for bit, without the indices
-        # DDP's buckets are not known before its first backward pass: PowerSGD is told
-        # which bucket is DDP's last one at each call (``bucket.last``).
+        # DDP's buckets are not known before its first backward pass (``bucket.last`` is
+        # set from DDP's own at each call).
         self._codec = codec.bound(group, rank, world_size, [])
         self.compression = compression
         self.process_group = group

@@ -112,7 +112,7 @@ class PowerSGD(Compression):
         self.random_seed = random_seed
         self._state: Optional[PowerSGDState] = None
         self._buckets: List[Bucket] = []
-        self._views: List["_GradBucketView"] = []
+        self._views: Dict[int, "_GradBucketView"] = {}
 
     def __repr__(self) -> str:
         return (
@@ -144,9 +144,7 @@ class PowerSGD(Compression):
             random_seed=self.random_seed,
         )
         bound._buckets = list(buckets)
-        # torch's state counts a step when its last bucket is reduced: here the last in
-        # bucket order, which the communication thread always issues last.
-        bound._views = [_GradBucketView(b, b.index == len(buckets) - 1) for b in buckets]
+        bound._views = {}
         return bound
 
     def check_bucket(self, bucket: Bucket) -> None:
@@ -169,10 +167,9 @@ class PowerSGD(Compression):
         """Sum the flags (async), and run torch's hook on the gradients to the end."""
         state = self._bound_state()
         flags = dist.all_reduce(bucket.flags, group=group, async_op=True)
-        if self._views:
-            view = self._views[bucket.index]
-        else:  # under DDP (distopt.parallel.hooks): buckets come as DDP makes them
-            view = _GradBucketView(bucket, bool(getattr(bucket, "last", False)))
+        view = self._views.get(bucket.index)
+        if view is None or view.bucket is not bucket:  # DDP's hooks rebuild their buckets
+            view = self._views[bucket.index] = _GradBucketView(bucket)
         # Waited for here, on the communication thread: the hook's later collectives are
         # issued from gloo's callback threads, and no other bucket's may be in flight then.
         result = powerSGD_hook(state, view).wait()
@@ -216,7 +213,7 @@ class PowerSGD(Compression):
         shape ``(n, ...)`` is an ``n x m`` matrix, compressed at rank ``r = min(n, m, rank)``
         when ``(n + m) r min_compression_rate < n m`` (torch's rule)."""
         plain = ps = qs = 0
-        for g in self._views[bucket.index].gradients() if self._views else _shaped(bucket):
+        for g in _shaped(bucket):
             n = g.shape[0]
             m = g.numel() // n
             r = min(n, m, self.rank)
@@ -328,15 +325,14 @@ class _GradBucketView:
     """What torch's ``powerSGD_hook`` reads of DDP's ``GradBucket`` (its six methods), over
     the gradient part of one of our buckets; the flags that follow are not in it."""
 
-    def __init__(self, bucket: Bucket, last: bool) -> None:
-        self._bucket = bucket
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
         self._buffer = bucket.buffer[:bucket.numel]
-        self._last = last
         self._params = [p for p in bucket.params if p.numel() > 0]
         self._grads = _shaped(bucket)
 
     def index(self) -> int:
-        return self._bucket.index
+        return self.bucket.index
 
     def buffer(self) -> Tensor:
         return self._buffer
@@ -348,7 +344,7 @@ class _GradBucketView:
         return self._params
 
     def is_last(self) -> bool:
-        return self._last
+        return self.bucket.last
 
     def set_buffer(self, buffer: Tensor) -> None:
         self._buffer.copy_(buffer)
