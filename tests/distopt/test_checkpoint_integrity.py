@@ -24,12 +24,12 @@ def _write_manifest(path, manifest):
 
 
 def _truthful(path, name):
-    """Make the manifest's size and sha256 of shard ``name`` match the file again."""
+    """Make the manifest's size and crc32 of shard ``name`` match the file again."""
     manifest = _manifest(path)
     for shard in manifest["shards"]:
         if shard["file"] == name:
             shard["bytes"] = os.path.getsize(path / name)
-            shard["sha256"] = checkpoint.sha256_of(str(path / name))
+            shard["crc32"] = checkpoint.crc32_of(str(path / name))
     _write_manifest(path, manifest)
 
 
@@ -51,7 +51,7 @@ def _swap_names(path, m):
 def _swap_names_and_digests(path, m):
     _swap_names(path, m)
     s0, s1 = m["shards"]
-    for key in ("bytes", "sha256"):
+    for key in ("bytes", "crc32"):
         s0[key], s1[key] = s1[key], s0[key]
 
 
@@ -116,7 +116,7 @@ def _pickled_object(path, m):
     data["extra"] = _Evil()
     torch.save(data, path / name)
     m["shards"][0]["bytes"] = os.path.getsize(path / name)
-    m["shards"][0]["sha256"] = checkpoint.sha256_of(str(path / name))
+    m["shards"][0]["crc32"] = checkpoint.crc32_of(str(path / name))
 
 
 class _Evil:
@@ -131,13 +131,13 @@ CORRUPTIONS = {
     # name: (corrupt, exception, message pattern)
     "manifest omits a shard": (_omit_shard, ValueError, r"in no shard"),
     "shards: []": (_empty_shards, ValueError, r"in no shard"),
-    "swapped names": (_swap_names, DistributedOptimizerError, r"sha256 .* \(expected"),
+    "swapped names": (_swap_names, DistributedOptimizerError, r"crc32 .* \(expected"),
     "swapped names and digests": (_swap_names_and_digests, DistributedOptimizerError,
                                   r"renamed or swapped"),
     "edited params": (_edit_params, ValueError, r"parameters \[0\] are in no shard"),
     "a parameter twice": (_duplicate_param, ValueError, r"covered by shards .* \(expected exactly one\)"),
-    "a flipped byte": (_flip_byte, DistributedOptimizerError, r"sha256"),
-    "64 zeroed bytes": (_zero_64, DistributedOptimizerError, r"sha256"),
+    "a flipped byte": (_flip_byte, DistributedOptimizerError, r"crc32"),
+    "64 zeroed bytes": (_zero_64, DistributedOptimizerError, r"crc32"),
     "truncated": (_truncate, ValueError, r"holds \d+ bytes \(expected \d+"),
     "../x": (_dot_dot, ValueError, r"shard name '\.\./x'"),
     "absolute path": (_absolute, ValueError, r"shard name '/"),
@@ -177,7 +177,7 @@ def test_load_refuses_each_corruption_before_any_owner_changes(world, tmp_path, 
     harness.assert_params_equal(rrefs, local, case)
 
 
-def test_the_manifest_records_size_sha256_and_params(world, tmp_path):
+def test_the_manifest_records_size_crc32_and_params(world, tmp_path):
     rrefs, local = harness.make_params()
     dist_opt, ref = build(rrefs, local)
     harness.train(dist_opt, ref, rrefs, local, 1)
@@ -187,7 +187,7 @@ def test_the_manifest_records_size_sha256_and_params(world, tmp_path):
     for shard in manifest["shards"]:
         name = str(tmp_path / shard["file"])
         assert shard["bytes"] == os.path.getsize(name)
-        assert shard["sha256"] == checkpoint.sha256_of(name)
+        assert shard["crc32"] == checkpoint.crc32_of(name)
         data = torch.load(name, weights_only=True)
         assert data["file"] == shard["file"] and data["params"] == shard["params"]
 
