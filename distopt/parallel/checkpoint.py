@@ -197,7 +197,7 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
     """The state this rank needs, in torch.optim's format, from a sharded checkpoint of any
     world size: whole parameters, joined from every shard file that holds a piece of one
     (read memory-mapped); each piece is checked to be there exactly once."""
-    trained = {i: p for b in opt._buckets for i, p in zip(b.positions, b.params)}
+    trained = opt._bucketed
     needed = set(opt._piece_index()) if opt.shard is not None else set(trained)
     parts: Dict[int, List[Any]] = {}
     groups = None

@@ -156,6 +156,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._buckets = assign_buckets(
             [all_params[i] for i in trained], trained, max(1, int(bucket_cap_mb * 2**20))
         )
+        #: Global index -> parameter, for every parameter in a bucket.
+        self._bucketed = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
         for bucket in self._buckets:
             if compression is not None:
                 compression.check_bucket(bucket)
@@ -615,9 +617,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         for theirs in every:
             for i, part in theirs.items():
                 parts.setdefault(i, []).append(part)
-        shapes = {i: p.shape for b in self._buckets for i, p in zip(b.positions, b.params)}
         flat = self.shard == "flat"
-        return {i: _shard.merge_pieces(ps, shapes[i], flat) for i, ps in parts.items()}
+        return {
+            i: _shard.merge_pieces(ps, self._bucketed[i].shape, flat) for i, ps in parts.items()
+        }
 
     def _piece_index(self) -> Dict[int, Any]:
         """Global index -> (start, stop, shape of its state tensors) of this rank's pieces."""
@@ -628,11 +631,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def _own_pieces_of(self, state: Dict[int, Dict[str, Any]], saved_ids: List[Any]) -> Dict[int, Dict[str, Any]]:
         """This rank's pieces of a whole state (torch.optim's format, global index keys)."""
-        params = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
         out = {}
         for i, want in self._piece_index().items():
             if i in state:
-                p = params[i]
+                p = self._bucketed[i]
                 out[i] = _shard.cut_state(state[i], (0, p.numel(), p.shape), want,
                                           f"state_dict['state'][{saved_ids[i]!r}]")
         return out
@@ -706,7 +708,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             return {}
         position = {saved: i for i, saved in enumerate(saved_ids)}
         out = {}
-        params = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
+        params = self._bucketed
         for saved, value in state_dict.get("residuals", {}).items():
             i = position.get(saved)
             if i is None or i not in params:

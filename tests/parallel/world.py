@@ -6,6 +6,7 @@ A rank that raises makes ``run_world`` raise with that rank's traceback. Childre
 one intra-op thread, so several ranks on two cores do not oversubscribe them.
 """
 import datetime
+import faulthandler
 import io
 import multiprocessing
 import os
@@ -27,6 +28,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeou
     # CPU worlds: hide any GPU before torch first asks for one (torch's PowerSGD hook calls
     # torch.cuda.synchronize whenever CUDA is available, which refuses CPU tensors).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # A rank still running when the world's limit is near prints every thread's stack (to
+    # the test's captured stderr), so that a hang shows where it is.
+    faulthandler.dump_traceback_later(WORLD_LIMIT_S - 15.0, exit=False)
     import torch
     import torch.distributed as dist
 
