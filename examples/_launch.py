@@ -97,6 +97,7 @@ def run(names: Sequence[str], role: Role, options: Any, rpc_timeout: float = 120
         )
         return
     rank, size = from_env
+    check_restartable(os.environ)
     if size != len(names):
         raise ValueError(
             f"Invalid WORLD_SIZE: {size!r} (expected {len(names)}: one process per role "
@@ -105,6 +106,31 @@ def run(names: Sequence[str], role: Role, options: Any, rpc_timeout: float = 120
     if not 0 <= rank < size:
         raise ValueError(f"Invalid RANK: {rank!r} (expected 0 <= RANK < {size})")
     _run_rank(rank, list(names), role, options, "env://", rpc_timeout)
+
+
+def check_restartable(env: Any) -> None:
+    """Refuse a torchrun that would restart its workers onto a store they cannot rendezvous on.
+
+    With ``--max-restarts`` above 0 and the rendezvous store shared with the workers (torchrun's
+    default), a restarted world finds the previous attempt's keys in the store: init_rpc's
+    gloo group then waits on addresses of dead processes and never starts (pytorch#135712).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with the c10d rendezvous gives every attempt a
+    fresh store; the static rendezvous (``--master-addr`` without ``--rdzv-backend``) always
+    shares its store.
+
+    Raises:
+        RuntimeError: restarts are allowed and the store is shared; the message says what to
+            run instead.
+    """
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            f"Invalid torchrun for --max-restarts {restarts}: the workers share the "
+            f"rendezvous store, so a restarted RPC world would wait forever on the previous "
+            f"attempt's keys (pytorch#135712). Start torchrun with "
+            f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment and "
+            f"--rdzv-backend c10d (or --standalone on one machine)"
+        )
 
 
 def _run_rank(
@@ -125,8 +151,12 @@ def _run_rank(
     )
     try:
         role(names[rank], options)
-    finally:
-        rpc.shutdown()
+    except BaseException:
+        # A peer may be gone (the usual reason a role fails): a graceful shutdown would wait
+        # for it for minutes. Leave at once; torchrun or mp.spawn stops the others.
+        rpc.shutdown(graceful=False)
+        raise
+    rpc.shutdown()
 
 
 #: The torch.optim classes the dense examples (parameter_server, model_parallel_rnn) train

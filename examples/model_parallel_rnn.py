@@ -16,7 +16,11 @@ norm across the three owners (``opt.clip_grad_norm_``), the learning rate follow
 torch.optim.lr_scheduler (cosine by default) driving the DistributedOptimizer directly, and
 ``--checkpoint DIR`` saves a checkpoint every ``--save-every`` steps: the optimizer state as
 one shard per owner (``opt.save``), plus the model's weights and the scheduler's state.
-``--resume`` continues from the last checkpoint in DIR exactly where it stopped.
+``--resume`` continues from the last checkpoint in DIR exactly where it stopped, and
+``--auto-resume`` does so when DIR holds one (else starts at step 1): the same command
+line then serves a first start and every restart, as under ``torchrun --max-restarts``.
+Each checkpoint is a folder ``DIR/step-N``; the file ``DIR/latest`` names the last complete
+one and is replaced only once a newer one is entirely on disk.
 
 One machine (spawns the three processes on 127.0.0.1, a free port)::
 
@@ -39,6 +43,7 @@ same everywhere.
 import argparse
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -215,43 +220,86 @@ class CharCorpus:
 # ---------------------------------------------------------------- checkpoints
 
 TRAINER_FILE = "trainer.pt"
+LATEST_FILE = "latest"
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """The last complete checkpoint in ``directory`` (a ``step-N`` folder), or None.
+
+    ``latest`` names it; it is replaced (atomically) only once every part of a newer
+    checkpoint is on disk, so whatever stopped a save, it names a complete one.
+    """
+    try:
+        with open(os.path.join(directory, LATEST_FILE), encoding="utf-8") as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not name.startswith("step-") or os.sep in name or name in (".", ".."):
+        raise ValueError(
+            f"Invalid checkpoint: {os.path.join(directory, LATEST_FILE)!r} holds {name!r} "
+            f"(expected the name of a step-N folder beside it)"
+        )
+    return os.path.join(directory, name)
+
+
+def _write_durably(path: str, write) -> None:
+    """``write(f)`` into a temporary file, fsync, then rename over ``path``."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def save_checkpoint(
     directory: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler], step: int,
     lstm_state: Optional[State] = None,
-) -> None:
-    """The optimizer state, one shard per owner, then the weights and the trainer's position.
+) -> str:
+    """Save everything needed to go on after ``step`` into ``directory/step-<step>``.
 
-    ``trainer.pt`` is written last and atomically (temporary file, fsync, rename): it is what
-    ``--resume`` reads, so a crash while saving leaves the previous checkpoint usable.
+    The optimizer state goes as one shard per owner (``opt.save``), then the weights and the
+    trainer's position (``trainer.pt``); only then does ``latest`` name the new folder, and
+    the older folders are removed. A crash (of the trainer or an owner) at any point leaves
+    ``latest`` naming the previous complete checkpoint. Returns the new folder.
     """
     os.makedirs(directory, exist_ok=True)
-    opt.save(directory)
+    folder = os.path.join(directory, f"step-{step:08d}")
+    latest = latest_checkpoint(directory)
+    if latest is not None and os.path.abspath(latest) == os.path.abspath(folder):
+        raise ValueError(f"Invalid step: {step!r} (the latest checkpoint is already after it)")
+    shutil.rmtree(folder, ignore_errors=True)  # what a crashed save of this step left
+    opt.save(folder)
     trainer = {
         "step": step,
         "weights": model.weights(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "lstm_state": lstm_state,
     }
-    tmp = os.path.join(directory, f".{TRAINER_FILE}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(trainer, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, TRAINER_FILE))
+    _write_durably(os.path.join(folder, TRAINER_FILE), lambda f: torch.save(trainer, f))
+    _write_durably(
+        os.path.join(directory, LATEST_FILE), lambda f: f.write(os.path.basename(folder).encode())
+    )
+    for name in os.listdir(directory):
+        if name.startswith("step-") and name != os.path.basename(folder):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return folder
 
 
 def load_checkpoint(
     directory: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler],
 ) -> Tuple[int, Optional[State]]:
-    """Restore what ``save_checkpoint`` wrote; returns the step it was taken after and the
-    LSTM state carried into the next step."""
-    trainer = torch.load(os.path.join(directory, TRAINER_FILE), weights_only=True)
+    """Restore the latest checkpoint in ``directory``; returns the step it was taken after and
+    the LSTM state carried into the next step. ``opt.load`` checks every shard (size, CRC-32,
+    parameters) before any owner changes; the weights are put back only after that."""
+    folder = latest_checkpoint(directory)
+    if folder is None:
+        raise FileNotFoundError(f"Invalid checkpoint: {directory!r} holds no {LATEST_FILE!r}")
+    trainer = torch.load(os.path.join(folder, TRAINER_FILE), weights_only=True)
+    opt.load(folder)
     model.load_weights(trainer["weights"])
-    opt.load(directory)
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     lstm_state = trainer["lstm_state"]
@@ -306,10 +354,15 @@ def train(options: argparse.Namespace) -> None:
         )
     first_step = 1
     state: Optional[State] = None
-    if options.resume:
+    resume = options.resume or (
+        options.auto_resume and latest_checkpoint(options.checkpoint) is not None
+    )
+    if resume:
         done, state = load_checkpoint(options.checkpoint, model, opt, scheduler)
         first_step = done + 1
-        print(f"resumed from {options.checkpoint} after step {done}", flush=True)
+        print(f"resumed from {latest_checkpoint(options.checkpoint)} after step {done}",
+              flush=True)
+    loss_log = open(options.loss_log, "a", encoding="utf-8") if options.loss_log else None
     print(
         f"{corpus.streams.numel()} characters, vocabulary {corpus.vocab_size}; "
         f"{options.optimizer}(lr={options.lr}) on {', '.join(WORKERS)} "
@@ -345,6 +398,9 @@ def train(options: argparse.Namespace) -> None:
             scheduler.step()
         state = detach(state)
         losses.append(loss.item())
+        if loss_log is not None:  # exact values, one line per step (a redone step: again)
+            loss_log.write(f"{step} {losses[-1].hex()}\n")
+            loss_log.flush()
         tokens_since += targets.numel()
         if step % options.log_every == 0 or step == options.steps:
             now = time.perf_counter()
@@ -359,11 +415,13 @@ def train(options: argparse.Namespace) -> None:
             )
             tokens_since, since = 0, time.perf_counter()
         if options.checkpoint and (step % options.save_every == 0 or step == options.steps):
-            save_checkpoint(options.checkpoint, model, opt, scheduler, step, state)
-            print(f"checkpoint saved to {options.checkpoint} after step {step}", flush=True)
+            folder = save_checkpoint(options.checkpoint, model, opt, scheduler, step, state)
+            print(f"checkpoint saved to {folder} after step {step}", flush=True)
         if step == options.stop_after:
             print(f"stopping after step {step} (--stop-after)", flush=True)
             break
+    if loss_log is not None:
+        loss_log.close()
     if not losses:
         print(f"nothing to do: the checkpoint is already at step {first_step - 1}", flush=True)
         return
@@ -414,15 +472,28 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default="", help="directory for checkpoints (empty: none)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the checkpoint in --checkpoint")
+                        help="continue from the latest checkpoint in --checkpoint")
+    parser.add_argument("--auto-resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint if there is "
+                             "one, else start at step 1 (for torchrun --max-restarts)")
+    parser.add_argument("--loss-log", default="", metavar="FILE",
+                        help="append every step's loss to FILE, exactly ('STEP HEX' lines)")
     parser.add_argument("--stop-after", type=int, default=0,
                         help="stop after this step as if interrupted (0: run to --steps)")
     _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
-    if options.resume and not options.checkpoint:
-        parser.error("Invalid --resume: given without --checkpoint (expected a directory)")
-    if options.resume and not os.path.exists(os.path.join(options.checkpoint, TRAINER_FILE)):
-        parser.error(f"Invalid --checkpoint: {options.checkpoint!r} holds no checkpoint to resume")
+    for flag in ("resume", "auto_resume"):
+        if getattr(options, flag) and not options.checkpoint:
+            parser.error(f"Invalid --{flag.replace('_', '-')}: given without --checkpoint "
+                         f"(expected a directory)")
+    if options.resume:
+        try:
+            found = latest_checkpoint(options.checkpoint)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if found is None:
+            parser.error(f"Invalid --checkpoint: {options.checkpoint!r} holds no checkpoint to "
+                         f"resume (no {LATEST_FILE!r} file)")
     if options.clip < 0:
         parser.error(f"Invalid --clip: {options.clip!r} (expected >= 0)")
     for name in ("steps", "hidden", "layers", "embedding_dim", "batch_size", "seq_len", "log_every",

@@ -9,6 +9,12 @@ parameters. The server updates under per-parameter locks, so concurrent trainers
 update. The data: inputs ``x ~ N(0, 1)``, targets from a fixed random "teacher" MLP plus a
 little noise; the loss is the mean squared error.
 
+The server also keeps a tally of the updates it applied: a one-element parameter, stepped by
+each trainer in the same autograd context as the model, with SGD (lr 1) and a gradient of
+exactly -1, so each applied step adds exactly 1. At the end the server prints
+``updates applied: A of S sent``; A < S would mean concurrent steps overwrote each other
+(torch.distributed.optim's DistributedOptimizer loses such updates; distopt must not).
+
 One machine (spawns the server and the trainers on 127.0.0.1, a free port)::
 
     python examples/parameter_server.py
@@ -67,6 +73,12 @@ def forward(params: List[Tensor], x: Tensor) -> Tensor:
 # ---------------------------------------------------------------- on the server
 
 
+def pull_tally(tally_rref: rpc.RRef) -> Tensor:
+    """RPC target: a view of the tally parameter (see the module docstring)."""
+    tally = tally_rref.local_value()
+    return tally.view_as(tally)
+
+
 def pull(model_rref: rpc.RRef) -> List[Tensor]:
     """RPC target: views of the model's parameters.
 
@@ -89,6 +101,8 @@ def serve(options: argparse.Namespace) -> None:
     model = mlp(options.features, options.hidden, options.seed)
     model_rref = rpc.RRef(model)
     param_rrefs = [rpc.RRef(p) for p in model.parameters()]
+    tally = torch.zeros(1, requires_grad=True)
+    tally_rref = rpc.RRef(tally)
     before = held_out_loss(model, options)
     print(
         f"ps: MLP {options.features}-{options.hidden}-{options.hidden}-1, "
@@ -100,7 +114,8 @@ def serve(options: argparse.Namespace) -> None:
     start = time.perf_counter()
     futures = {
         f"trainer{i}": rpc.rpc_async(
-            f"trainer{i}", run_trainer, args=(model_rref, param_rrefs, options), timeout=0
+            f"trainer{i}", run_trainer, args=(model_rref, param_rrefs, tally_rref, options),
+            timeout=0,
         )
         for i in range(1, options.trainers + 1)
     }
@@ -124,6 +139,7 @@ def serve(options: argparse.Namespace) -> None:
         flush=True,
     )
     print(f"held-out loss: before {before:.4f} -> after {after:.4f}", flush=True)
+    print(f"updates applied: {int(tally.item())} of {total_steps} sent", flush=True)
 
 
 # ---------------------------------------------------------------- on each trainer
@@ -150,7 +166,8 @@ def _teacher(options: argparse.Namespace) -> nn.Module:
 
 
 def run_trainer(
-    model_rref: rpc.RRef, param_rrefs: List[rpc.RRef], options: argparse.Namespace
+    model_rref: rpc.RRef, param_rrefs: List[rpc.RRef], tally_rref: rpc.RRef,
+    options: argparse.Namespace,
 ) -> Dict[str, Any]:
     """RPC target, run on a trainer: train ``options.steps`` steps, return what happened."""
     name = rpc.get_worker_info().name
@@ -159,6 +176,7 @@ def run_trainer(
     opt = distopt.DistributedOptimizer(
         _launch.optimizer_class(options.optimizer), param_rrefs, lr=options.lr
     )
+    tally_opt = distopt.DistributedOptimizer(torch.optim.SGD, [tally_rref], lr=1.0)
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
@@ -166,8 +184,10 @@ def run_trainer(
         with dist_autograd.context() as ctx:
             params = rpc.rpc_sync(model_rref.owner(), pull, args=(model_rref,))
             loss = F.mse_loss(forward(params, x), y)
-            dist_autograd.backward(ctx, [loss])
+            tally = rpc.rpc_sync(tally_rref.owner(), pull_tally, args=(tally_rref,))
+            dist_autograd.backward(ctx, [loss, -tally.sum()])  # the tally's gradient: -1
             opt.step(ctx)
+            tally_opt.step(ctx)
         losses.append(loss.item())
         if step % options.log_every == 0 or step == options.steps:
             recent = losses[-options.log_every :]

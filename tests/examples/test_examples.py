@@ -53,18 +53,28 @@ def _step_lines(out: str) -> List[str]:
 
 def test_model_parallel_rnn_resume_continues_exactly(tmp_path) -> None:
     """Interrupted after step 20 and resumed from its checkpoint, the run logs the same
-    losses, learning rates and gradient norms at steps 30 and 40 as an uninterrupted one."""
+    losses, learning rates and gradient norms at steps 30 and 40 as an uninterrupted one.
+    --auto-resume starts fresh in an empty DIR and resumes where DIR holds a checkpoint;
+    each save leaves one step-N folder, named by DIR/latest."""
     common = ["--steps", "40", "--log-every", "10", "--hidden", "32", "--sample", "0"]
     straight = _step_lines(run_example("model_parallel_rnn.py", common))
-    ckpt = str(tmp_path / "ckpt")
-    first = run_example("model_parallel_rnn.py",
-                        common + ["--checkpoint", ckpt, "--save-every", "20", "--stop-after", "20"])
-    assert "stopping after step 20" in first, first
-    resumed = run_example("model_parallel_rnn.py",
-                          common + ["--checkpoint", ckpt, "--save-every", "20", "--resume"])
-    assert "resumed from" in resumed, resumed
+    ckpt = tmp_path / "ckpt"
+    saving = common + ["--checkpoint", str(ckpt), "--save-every", "20", "--auto-resume"]
+    first = run_example("model_parallel_rnn.py", saving + ["--stop-after", "20"])
+    assert "stopping after step 20" in first and "resumed" not in first, first
+    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000020"]
+    resumed = run_example("model_parallel_rnn.py", saving)
+    assert f"resumed from {ckpt / 'step-00000020'} after step 20" in resumed, resumed
     assert len(straight) == 4, straight
     assert _step_lines(resumed) == straight[2:], (straight, resumed)
+    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000040"]
+    (ckpt / "latest").write_text("../elsewhere")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "model_parallel_rnn.py"), *common,
+         "--checkpoint", str(ckpt), "--resume"],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 2 and "expected the name of a step-N folder" in proc.stderr
 
 
 @pytest.mark.parametrize("optimizer", ["Adam", "NAdam"])  # NAdam: not compiled by torch's version
@@ -187,3 +197,15 @@ def test_examples_talk_over_one_interface(monkeypatch) -> None:
          "--interface", "nosuch"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
     )
     assert proc.returncode != 0 and "Invalid --interface: 'nosuch'" in proc.stderr
+
+
+def test_examples_refuse_torchrun_restarts_onto_a_shared_store() -> None:
+    """torchrun with --max-restarts and its rendezvous store shared with the workers would
+    hang the restarted world in init_rpc (pytorch#135712): refused, saying what to set."""
+    launch = _launch_module()
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with pytest.raises(RuntimeError, match=r"--max-restarts 2: .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        launch.check_restartable(shared)
+    launch.check_restartable({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    launch.check_restartable({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    launch.check_restartable({})  # not under torchrun

@@ -1,0 +1,57 @@
+"""Reading what the examples save, to compare two runs' checkpoints exactly."""
+import json
+import os
+from typing import Any, Dict, List
+
+import torch
+
+# Keys of a shard that name the save rather than hold state.
+_NAMING = ("file", "generation")
+
+
+def loss_log(path: str) -> Dict[int, List[str]]:
+    """``--loss-log`` lines: step -> every loss logged for it (a redone step has several),
+    as exact hex floats."""
+    logged: Dict[int, List[str]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            step, value = line.split()
+            logged.setdefault(int(step), []).append(value)
+    return logged
+
+
+def latest_folder(directory: str) -> str:
+    with open(os.path.join(directory, "latest"), encoding="utf-8") as f:
+        return os.path.join(directory, f.read().strip())
+
+
+def contents(folder: str) -> Dict[str, Any]:
+    """A model_parallel_rnn checkpoint folder: the trainer's file and each owner's shard,
+    without the names of the save (its generation id)."""
+    out: Dict[str, Any] = {
+        "trainer": torch.load(os.path.join(folder, "trainer.pt"), weights_only=True)
+    }
+    with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    for shard in manifest["shards"]:
+        payload = torch.load(os.path.join(folder, shard["file"]), weights_only=True)
+        out[shard["owner"]] = {k: v for k, v in payload.items() if k not in _NAMING}
+    return out
+
+
+def assert_identical(got: Any, want: Any, where: str = "") -> None:
+    """Equal structure, equal tensors bit for bit (dtype, shape, values)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got, want), f"{where}: tensors differ"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got, want)
+        for key in want:
+            assert_identical(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_identical(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"

@@ -1,0 +1,88 @@
+"""Fixtures for tests across test hosts (network namespaces, see ``netns``).
+
+``hosts(n)`` builds ``n`` hosts for the test and tears them down after it, whatever happens;
+where namespaces cannot be made (not root, no iproute2) the test is skipped with the reason.
+``host_env(hosts, rank, world_size)`` is the environment of a process of an RPC world across
+them: rank 0 on host 0 is the rendezvous, TensorPipe and gloo talk over ``eth0`` only.
+"""
+import os
+import socket
+import sys
+from typing import Callable, Dict, Iterator, List
+
+import pytest
+
+from tests.hosts import checkpoints, jobs, netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON = sys.executable
+RNN = os.path.join(ROOT, "examples", "model_parallel_rnn.py")
+#: The RNN example's settings in these tests: 60 steps, a checkpoint every 20.
+RNN_ARGS = ["--steps", "60", "--log-every", "5", "--hidden", "32", "--sample", "0",
+            "--save-every", "20"]
+EXAMPLE_TIMEOUT_S = 300
+_WHY_NOT = netns.unavailable()
+
+
+@pytest.fixture
+def hosts() -> Iterator[Callable[[int], netns.Hosts]]:
+    """A factory of test hosts; everything it built is removed when the test ends."""
+    if _WHY_NOT is not None:
+        pytest.skip(f"no test hosts: {_WHY_NOT}")
+    built: List[netns.Hosts] = []
+
+    def make(n: int) -> netns.Hosts:
+        built.append(netns.Hosts(n))
+        return built[-1]
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for h in built:
+            try:
+                h.close()
+            except RuntimeError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def free_port() -> int:
+    """A port to rendezvous on (each namespace has its own ports; this only avoids reuse)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def host_env(h: netns.Hosts, rank: int, world_size: int, port: int) -> Dict[str, str]:
+    """The environment of rank ``rank`` of a world across ``h`` (rank 0 on host 0)."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=h.addresses[0],
+        MASTER_PORT=str(port), TP_SOCKET_IFNAME=netns.INTERFACE,
+        GLOO_SOCKET_IFNAME=netns.INTERFACE, OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
+    return env
+
+
+def local_env() -> Dict[str, str]:
+    """The environment of a one-machine run, whatever launched pytest."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def rnn_one_machine(tmp_path_factory):
+    """The RNN example run once on this machine, uninterrupted, with ``RNN_ARGS``:
+    (every step's loss, the final checkpoint's contents)."""
+    where = tmp_path_factory.mktemp("rnn_one_machine")
+    job = jobs.Job()
+    job.start([PYTHON, RNN, *RNN_ARGS, "--loss-log", str(where / "losses"),
+               "--checkpoint", str(where / "ckpt")], env=local_env(), cwd=ROOT)
+    assert job.finish(EXAMPLE_TIMEOUT_S) == [0], job.text()
+    return (checkpoints.loss_log(str(where / "losses")),
+            checkpoints.contents(checkpoints.latest_folder(str(where / "ckpt"))))

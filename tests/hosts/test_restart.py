@@ -1,0 +1,86 @@
+"""torchrun --max-restarts brings the RNN example back after an owner dies, exactly.
+
+The example runs under torchrun with ``--checkpoint DIR --auto-resume --save-every 20``; once
+the trainer has logged step 25, the process of ``ps1`` (rank 2) is killed (SIGKILL). The
+trainer's next RPC fails, torchrun stops the group and starts it again, and the restarted
+trainer resumes from the last complete checkpoint (step 20). The run must then end with
+exactly what an uninterrupted run (one machine, no torchrun) that saved at the same steps
+ends with: every step's loss (the steps done twice, both times), the final weights and
+optimizer state bit for bit. On one host (``--standalone``) and across three test hosts
+(c10d rendezvous, one torchrun per host).
+"""
+import os
+from typing import List
+
+from tests.hosts import checkpoints, jobs
+from tests.hosts.conftest import RNN, RNN_ARGS, ROOT, free_port, local_env
+
+KILL_AFTER = r"^step +25 "
+TIMEOUT_S = 300
+
+
+def torchrun_env(marker: str) -> dict:
+    env = local_env()
+    # Every attempt gets a fresh rendezvous store (see examples/_launch.check_restartable).
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DISTOPT_TEST_JOB=marker)
+    return env
+
+
+def example_args(tmp_path, interface: str) -> List[str]:
+    return [RNN, *RNN_ARGS, "--checkpoint", str(tmp_path / "ckpt"), "--auto-resume",
+            "--loss-log", str(tmp_path / "losses"), "--interface", interface]
+
+
+def kill_owner_and_check(job: jobs.Job, marker: str, tmp_path, rnn_one_machine) -> None:
+    job.expect(KILL_AFTER, TIMEOUT_S)
+    victims = jobs.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="2",
+                                 TORCHELASTIC_RESTART_COUNT="0")
+    assert len(victims) == 1, (victims, job.text())
+    os.kill(victims[0], 9)
+    codes = job.finish(TIMEOUT_S)
+    out = job.text()
+    assert codes == [0] * len(codes), out
+    assert "resumed from" in out and "after step 20" in out, out
+    # The attempt before the kill got past step 25, so steps 21..25 at least ran twice.
+    logged = checkpoints.loss_log(str(tmp_path / "losses"))
+    want_losses, want_state = rnn_one_machine
+    assert sorted(logged) == list(range(1, 61)), sorted(logged)
+    redone = [step for step, values in logged.items() if len(values) > 1]
+    assert set(range(21, 26)) <= set(redone), redone
+    for step, values in logged.items():
+        assert values == want_losses[step] * len(values), (step, values, want_losses[step])
+    checkpoints.assert_identical(
+        checkpoints.contents(checkpoints.latest_folder(str(tmp_path / "ckpt"))), want_state
+    )
+
+
+def test_torchrun_on_one_host_resumes_exactly(rnn_one_machine, tmp_path):
+    marker = f"one-host-{os.getpid()}"
+    job = jobs.Job()
+    job.start(["torchrun", "--standalone", "--nproc-per-node", "3", "--max-restarts", "2",
+               "--monitor-interval", "0.1", *example_args(tmp_path, "lo")],
+              env=torchrun_env(marker), cwd=ROOT)
+    try:
+        kill_owner_and_check(job, marker, tmp_path, rnn_one_machine)
+    finally:
+        job.kill()
+
+
+def test_torchrun_across_three_hosts_resumes_exactly(hosts, rnn_one_machine, tmp_path):
+    h = hosts(3)
+    marker = f"three-hosts-{os.getpid()}"
+    endpoint = f"{h.addresses[0]}:{free_port()}"
+    job = jobs.Job()
+    for i in range(3):
+        # Namespaces share the machine's hostname, so torchrun cannot tell which host serves
+        # the rendezvous: is_host says it; --local-addr is each host's own address.
+        job.start(["torchrun", "--nnodes", "3", "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", marker, "--rdzv-conf", f"is_host={int(i == 0)}",
+                   "--local-addr", h.addresses[i], "--max-restarts", "2",
+                   "--monitor-interval", "0.1", *example_args(tmp_path, "eth0")],
+                  env=torchrun_env(marker), hosts=h, host=i, cwd=ROOT)
+    try:
+        kill_owner_and_check(job, marker, tmp_path, rnn_one_machine)
+    finally:
+        job.kill()
