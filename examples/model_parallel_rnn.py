@@ -43,7 +43,6 @@ same everywhere.
 import argparse
 import math
 import os
-import shutil
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -60,6 +59,7 @@ except ImportError:  # running from a clone that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import distopt
 
+import _checkpoints
 import _launch
 
 WORKERS = ["trainer", "ps0", "ps1"]
@@ -220,36 +220,6 @@ class CharCorpus:
 # ---------------------------------------------------------------- checkpoints
 
 TRAINER_FILE = "trainer.pt"
-LATEST_FILE = "latest"
-
-
-def latest_checkpoint(directory: str) -> Optional[str]:
-    """The last complete checkpoint in ``directory`` (a ``step-N`` folder), or None.
-
-    ``latest`` names it; it is replaced (atomically) only once every part of a newer
-    checkpoint is on disk, so whatever stopped a save, it names a complete one.
-    """
-    try:
-        with open(os.path.join(directory, LATEST_FILE), encoding="utf-8") as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if not name.startswith("step-") or os.sep in name or name in (".", ".."):
-        raise ValueError(
-            f"Invalid checkpoint: {os.path.join(directory, LATEST_FILE)!r} holds {name!r} "
-            f"(expected the name of a step-N folder beside it)"
-        )
-    return os.path.join(directory, name)
-
-
-def _write_durably(path: str, write) -> None:
-    """``write(f)`` into a temporary file, fsync, then rename over ``path``."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(
@@ -260,16 +230,11 @@ def save_checkpoint(
     """Save everything needed to go on after ``step`` into ``directory/step-<step>``.
 
     The optimizer state goes as one shard per owner (``opt.save``), then the weights and the
-    trainer's position (``trainer.pt``); only then does ``latest`` name the new folder, and
-    the older folders are removed. A crash (of the trainer or an owner) at any point leaves
-    ``latest`` naming the previous complete checkpoint. Returns the new folder.
+    trainer's position (``trainer.pt``); only then does ``latest`` name the new folder
+    (``_checkpoints.publish``), so a crash at any point leaves it naming the previous
+    complete checkpoint. Returns the new folder.
     """
-    os.makedirs(directory, exist_ok=True)
-    folder = os.path.join(directory, f"step-{step:08d}")
-    latest = latest_checkpoint(directory)
-    if latest is not None and os.path.abspath(latest) == os.path.abspath(folder):
-        raise ValueError(f"Invalid step: {step!r} (the latest checkpoint is already after it)")
-    shutil.rmtree(folder, ignore_errors=True)  # what a crashed save of this step left
+    folder = _checkpoints.start(directory, step)
     opt.save(folder)
     trainer = {
         "step": step,
@@ -277,13 +242,9 @@ def save_checkpoint(
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "lstm_state": lstm_state,
     }
-    _write_durably(os.path.join(folder, TRAINER_FILE), lambda f: torch.save(trainer, f))
-    _write_durably(
-        os.path.join(directory, LATEST_FILE), lambda f: f.write(os.path.basename(folder).encode())
-    )
-    for name in os.listdir(directory):
-        if name.startswith("step-") and name != os.path.basename(folder):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    _checkpoints.write_durably(os.path.join(folder, TRAINER_FILE),
+                               lambda f: torch.save(trainer, f))
+    _checkpoints.publish(folder)
     return folder
 
 
@@ -294,9 +255,9 @@ def load_checkpoint(
     """Restore the latest checkpoint in ``directory``; returns the step it was taken after and
     the LSTM state carried into the next step. ``opt.load`` checks every shard (size, CRC-32,
     parameters) before any owner changes; the weights are put back only after that."""
-    folder = latest_checkpoint(directory)
+    folder = _checkpoints.latest_checkpoint(directory)
     if folder is None:
-        raise FileNotFoundError(f"Invalid checkpoint: {directory!r} holds no {LATEST_FILE!r}")
+        raise FileNotFoundError(f"Invalid checkpoint: {directory!r} holds no checkpoint")
     trainer = torch.load(os.path.join(folder, TRAINER_FILE), weights_only=True)
     opt.load(folder)
     model.load_weights(trainer["weights"])
@@ -355,13 +316,13 @@ def train(options: argparse.Namespace) -> None:
     first_step = 1
     state: Optional[State] = None
     resume = options.resume or (
-        options.auto_resume and latest_checkpoint(options.checkpoint) is not None
+        options.auto_resume and _checkpoints.latest_checkpoint(options.checkpoint) is not None
     )
     if resume:
         done, state = load_checkpoint(options.checkpoint, model, opt, scheduler)
         first_step = done + 1
-        print(f"resumed from {latest_checkpoint(options.checkpoint)} after step {done}",
-              flush=True)
+        print(f"resumed from {_checkpoints.latest_checkpoint(options.checkpoint)} after step "
+              f"{done}", flush=True)
     loss_log = open(options.loss_log, "a", encoding="utf-8") if options.loss_log else None
     print(
         f"{corpus.streams.numel()} characters, vocabulary {corpus.vocab_size}; "
@@ -488,12 +449,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                          f"(expected a directory)")
     if options.resume:
         try:
-            found = latest_checkpoint(options.checkpoint)
+            found = _checkpoints.latest_checkpoint(options.checkpoint)
         except ValueError as exc:
             parser.error(str(exc))
         if found is None:
             parser.error(f"Invalid --checkpoint: {options.checkpoint!r} holds no checkpoint to "
-                         f"resume (no {LATEST_FILE!r} file)")
+                         f"resume (no {_checkpoints.LATEST_FILE!r} file)")
     if options.clip < 0:
         parser.error(f"Invalid --clip: {options.clip!r} (expected >= 0)")
     for name in ("steps", "hidden", "layers", "embedding_dim", "batch_size", "seq_len", "log_every",

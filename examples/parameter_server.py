@@ -15,6 +15,16 @@ exactly -1, so each applied step adds exactly 1. At the end the server prints
 ``updates applied: A of S sent``; A < S would mean concurrent steps overwrote each other
 (torch.distributed.optim's DistributedOptimizer loses such updates; distopt must not).
 
+``--checkpoint DIR`` saves every ``--save-every`` steps (of each trainer): each trainer saves
+its own optimizer (``opt.save``) and its data generator into ``DIR/step-N/trainerK``, then
+waits at a barrier on the server; the last to arrive has the server save the weights and the
+tally (no step is in flight then) and name the folder in ``DIR/latest``. ``--auto-resume``
+continues from there when DIR holds a checkpoint (for ``torchrun --max-restarts``): the steps
+done after the checkpoint are done again and counted once, so the tally still ends at
+trainers x steps. With one trainer a resumed run ends with exactly the weights of an
+uninterrupted one; with several, the order in which concurrent steps land varies from run to
+run anyway.
+
 One machine (spawns the server and the trainers on 127.0.0.1, a free port)::
 
     python examples/parameter_server.py
@@ -32,6 +42,7 @@ or set ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` yourself an
 import argparse
 import os
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -47,6 +58,7 @@ except ImportError:  # running from a clone that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import distopt
 
+import _checkpoints
 import _launch
 
 
@@ -96,6 +108,47 @@ def held_out_loss(model: nn.Module, options: argparse.Namespace) -> float:
         return F.mse_loss(model(x), y).item()
 
 
+SERVER_FILE = "server.pt"
+TRAINER_FILE = "trainer.pt"
+# The server's model and tally, for the checkpoint barrier (set by ``serve``).
+_served: Dict[str, Any] = {}
+_barrier_lock = threading.Lock()
+_barrier_waiting: List[torch.futures.Future] = []
+
+
+@rpc.functions.async_execution
+def checkpoint_barrier(parties: int, folder: Optional[str]) -> torch.futures.Future:
+    """RPC target on the server: completes once ``parties`` trainers have called it. With a
+    ``folder``, the last to arrive first saves the server's part (weights and tally) there
+    and names the folder in ``latest``: every trainer has saved its own part by then, and
+    none is stepping. Waiting trainers hold a future, not an RPC thread."""
+    future: torch.futures.Future = torch.futures.Future()
+    with _barrier_lock:
+        _barrier_waiting.append(future)
+        if len(_barrier_waiting) < parties:
+            return future
+        released = list(_barrier_waiting)
+        _barrier_waiting.clear()
+    error: Optional[BaseException] = None
+    if folder is not None:
+        try:
+            state = {
+                "model": {k: v.detach().clone() for k, v in _served["model"].state_dict().items()},
+                "tally": _served["tally"].detach().clone(),
+            }
+            _checkpoints.write_durably(os.path.join(folder, SERVER_FILE),
+                                       lambda f: torch.save(state, f))
+            _checkpoints.publish(folder)
+        except BaseException as exc:  # every trainer gets the error
+            error = exc
+    for f in released:
+        if error is None:
+            f.set_result(None)
+        else:
+            f.set_exception(error)
+    return future
+
+
 def serve(options: argparse.Namespace) -> None:
     """The server's role: hold the model, start every trainer, report when all are done."""
     model = mlp(options.features, options.hidden, options.seed)
@@ -103,6 +156,16 @@ def serve(options: argparse.Namespace) -> None:
     param_rrefs = [rpc.RRef(p) for p in model.parameters()]
     tally = torch.zeros(1, requires_grad=True)
     tally_rref = rpc.RRef(tally)
+    _served.update(model=model, tally=tally)
+    done = 0
+    folder = _checkpoints.latest_checkpoint(options.checkpoint) if options.auto_resume else None
+    if folder is not None:
+        state = torch.load(os.path.join(folder, SERVER_FILE), weights_only=True)
+        model.load_state_dict(state["model"])
+        with torch.no_grad():
+            tally.copy_(state["tally"])
+        done = int(os.path.basename(folder)[len("step-"):])
+        print(f"ps: resumed from {folder} after step {done}", flush=True)
     before = held_out_loss(model, options)
     print(
         f"ps: MLP {options.features}-{options.hidden}-{options.hidden}-1, "
@@ -114,8 +177,8 @@ def serve(options: argparse.Namespace) -> None:
     start = time.perf_counter()
     futures = {
         f"trainer{i}": rpc.rpc_async(
-            f"trainer{i}", run_trainer, args=(model_rref, param_rrefs, tally_rref, options),
-            timeout=0,
+            f"trainer{i}", run_trainer,
+            args=(model_rref, param_rrefs, tally_rref, options, done, folder), timeout=0,
         )
         for i in range(1, options.trainers + 1)
     }
@@ -139,7 +202,8 @@ def serve(options: argparse.Namespace) -> None:
         flush=True,
     )
     print(f"held-out loss: before {before:.4f} -> after {after:.4f}", flush=True)
-    print(f"updates applied: {int(tally.item())} of {total_steps} sent", flush=True)
+    print(f"updates applied: {int(tally.item())} of {options.trainers * options.steps} sent",
+          flush=True)
 
 
 # ---------------------------------------------------------------- on each trainer
@@ -167,9 +231,10 @@ def _teacher(options: argparse.Namespace) -> nn.Module:
 
 def run_trainer(
     model_rref: rpc.RRef, param_rrefs: List[rpc.RRef], tally_rref: rpc.RRef,
-    options: argparse.Namespace,
+    options: argparse.Namespace, done: int = 0, folder: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """RPC target, run on a trainer: train ``options.steps`` steps, return what happened."""
+    """RPC target, run on a trainer: train steps ``done + 1`` .. ``options.steps`` (after
+    ``done``, from the checkpoint in ``folder``), return what happened."""
     name = rpc.get_worker_info().name
     rank = int(name[len("trainer") :])
     gen = torch.Generator().manual_seed(options.seed + rank)
@@ -177,9 +242,14 @@ def run_trainer(
         _launch.optimizer_class(options.optimizer), param_rrefs, lr=options.lr
     )
     tally_opt = distopt.DistributedOptimizer(torch.optim.SGD, [tally_rref], lr=1.0)
+    if folder is not None:
+        opt.load(os.path.join(folder, name))
+        gen.set_state(torch.load(os.path.join(folder, name, TRAINER_FILE),
+                                 weights_only=True)["generator"])
+    server = model_rref.owner()
     losses: List[float] = []
     start = time.perf_counter()
-    for step in range(1, options.steps + 1):
+    for step in range(done + 1, options.steps + 1):
         x, y = synthetic_batch(options, gen, options.batch_size)
         with dist_autograd.context() as ctx:
             params = rpc.rpc_sync(model_rref.owner(), pull, args=(model_rref,))
@@ -192,12 +262,25 @@ def run_trainer(
         if step % options.log_every == 0 or step == options.steps:
             recent = losses[-options.log_every :]
             print(f"{name} step {step:5d}  loss {sum(recent) / len(recent):.4f}", flush=True)
+        if options.checkpoint and step % options.save_every == 0:
+            # This trainer's part, then the barrier: its last arrival saves the server's part
+            # while every trainer waits there, between two steps.
+            here = _checkpoints.folder_for(options.checkpoint, step)
+            opt.save(os.path.join(here, name))
+            _checkpoints.write_durably(os.path.join(here, name, TRAINER_FILE),
+                                       lambda f: torch.save({"generator": gen.get_state()}, f))
+            rpc.rpc_sync(server, checkpoint_barrier, args=(options.trainers, here), timeout=0)
+            if name == "trainer1":
+                print(f"checkpoint saved to {here} after step {step}", flush=True)
     elapsed = time.perf_counter() - start
-    k = min(10, len(losses))
+    k = min(10, max(1, len(losses)))
+    if not losses:
+        return {"steps": 0, "final_loss": float("nan"), "steps_per_s": 0.0,
+                "compiled": opt.is_functional_optim}
     return {
-        "steps": options.steps,
+        "steps": len(losses),
         "final_loss": sum(losses[-k:]) / k,
-        "steps_per_s": options.steps / elapsed,
+        "steps_per_s": len(losses) / elapsed,
         "compiled": opt.is_functional_optim,
     }
 
@@ -229,9 +312,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64, help="hidden layer size")
     parser.add_argument("--log-every", type=int, default=100, help="steps between progress lines")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    parser.add_argument("--checkpoint", default="", help="directory for checkpoints (empty: none)")
+    parser.add_argument("--save-every", type=int, default=100,
+                        help="steps (of each trainer) between checkpoints")
+    parser.add_argument("--auto-resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint if there is "
+                             "one, else start at step 1 (for torchrun --max-restarts)")
     _launch.add_network_arguments(parser)
     options = parser.parse_args(argv)
-    for name in ("trainers", "steps", "batch_size", "features", "hidden", "log_every"):
+    if options.auto_resume and not options.checkpoint:
+        parser.error("Invalid --auto-resume: given without --checkpoint (expected a directory)")
+    for name in ("trainers", "steps", "batch_size", "features", "hidden", "log_every",
+                 "save_every"):
         if getattr(options, name) < 1:
             parser.error(
                 f"Invalid --{name.replace('_', '-')}: {getattr(options, name)!r} (expected >= 1)"

@@ -25,17 +25,36 @@ def latest_folder(directory: str) -> str:
         return os.path.join(directory, f.read().strip())
 
 
-def contents(folder: str) -> Dict[str, Any]:
-    """A model_parallel_rnn checkpoint folder: the trainer's file and each owner's shard,
-    without the names of the save (its generation id)."""
-    out: Dict[str, Any] = {
-        "trainer": torch.load(os.path.join(folder, "trainer.pt"), weights_only=True)
-    }
+def shards(folder: str) -> Dict[str, Any]:
+    """What ``DistributedOptimizer.save`` wrote into ``folder``: owner -> its shard, without
+    the names of the save (its generation id)."""
     with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)
+    out = {}
     for shard in manifest["shards"]:
         payload = torch.load(os.path.join(folder, shard["file"]), weights_only=True)
         out[shard["owner"]] = {k: v for k, v in payload.items() if k not in _NAMING}
+    return out
+
+
+def contents(folder: str) -> Dict[str, Any]:
+    """A model_parallel_rnn checkpoint folder: the trainer's file and each owner's shard."""
+    return {"trainer": torch.load(os.path.join(folder, "trainer.pt"), weights_only=True),
+            **shards(folder)}
+
+
+def server_contents(folder: str, trainers: int) -> Dict[str, Any]:
+    """A parameter_server checkpoint folder: the server's file, and each trainer's file and
+    optimizer shards."""
+    out: Dict[str, Any] = {
+        "server": torch.load(os.path.join(folder, "server.pt"), weights_only=True)
+    }
+    for k in range(1, trainers + 1):
+        sub = os.path.join(folder, f"trainer{k}")
+        out[f"trainer{k}"] = {
+            "file": torch.load(os.path.join(sub, "trainer.pt"), weights_only=True),
+            "optimizer": shards(sub),
+        }
     return out
 
 

@@ -8,12 +8,20 @@ exactly what an uninterrupted run (one machine, no torchrun) that saved at the s
 ends with: every step's loss (the steps done twice, both times), the final weights and
 optimizer state bit for bit. On one host (``--standalone``) and across three test hosts
 (c10d rendezvous, one torchrun per host).
+
+The parameter server, one trainer, under ``torchrun --standalone``: the server (the owner
+of every parameter) is killed after the trainer logged step 25; the restarted run resumes
+after step 20 and ends with the weights, the tally (exactly 60 updates) and the trainer's
+optimizer state and data generator of an uninterrupted run, bit for bit.
 """
 import os
 from typing import List
 
 from tests.hosts import checkpoints, jobs
-from tests.hosts.conftest import RNN, RNN_ARGS, ROOT, free_port, local_env
+from tests.hosts.conftest import (
+    EXAMPLE_TIMEOUT_S, PYTHON, RNN, RNN_ARGS, ROOT, free_port, local_env,
+)
+from tests.hosts.test_examples_across_hosts import PS
 
 KILL_AFTER = r"^step +25 "
 TIMEOUT_S = 300
@@ -84,3 +92,35 @@ def test_torchrun_across_three_hosts_resumes_exactly(hosts, rnn_one_machine, tmp
         kill_owner_and_check(job, marker, tmp_path, rnn_one_machine)
     finally:
         job.kill()
+
+
+PS_ARGS = ["--trainers", "1", "--steps", "60", "--log-every", "5", "--save-every", "20"]
+
+
+def test_parameter_server_under_torchrun_resumes_exactly(tmp_path):
+    straight = tmp_path / "straight"
+    job = jobs.Job()
+    job.start([PYTHON, PS, *PS_ARGS, "--checkpoint", str(straight)], env=local_env(), cwd=ROOT)
+    assert job.finish(EXAMPLE_TIMEOUT_S) == [0], job.text()
+    assert "updates applied: 60 of 60 sent" in job.text()
+    marker = f"ps-{os.getpid()}"
+    job = jobs.Job()
+    job.start(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+               "--monitor-interval", "0.1", PS, *PS_ARGS, "--checkpoint", str(tmp_path / "ckpt"),
+               "--auto-resume", "--interface", "lo"], env=torchrun_env(marker), cwd=ROOT)
+    try:
+        job.expect(r"^trainer1 step +25 ", TIMEOUT_S)
+        victims = jobs.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="0",
+                                     TORCHELASTIC_RESTART_COUNT="0")
+        assert len(victims) == 1, (victims, job.text())
+        os.kill(victims[0], 9)
+        assert job.finish(TIMEOUT_S) == [0], job.text()
+    finally:
+        job.kill()
+    out = job.text()
+    assert "ps: resumed from" in out and "after step 20" in out, out
+    assert "updates applied: 60 of 60 sent" in out, out
+    checkpoints.assert_identical(
+        checkpoints.server_contents(checkpoints.latest_folder(str(tmp_path / "ckpt")), 1),
+        checkpoints.server_contents(checkpoints.latest_folder(str(straight)), 1),
+    )
