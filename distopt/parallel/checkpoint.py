@@ -3,7 +3,8 @@
 A checkpoint is a directory (on a filesystem every rank shares)::
 
     manifest.json                       written last, by the first rank: class, world size,
-                                        generation, and the files of this save
+                                        generation, and the files of this save, each with
+                                        its size and CRC-32
     dp-<generation>-state-rank<r>.pt    torch.optim's state_dict (r = 0 only, unless the
                                         state differs per rank: RoundRobin)
     dp-<generation>-residuals-rank<r>.pt  each rank's error-feedback residuals and its
@@ -14,7 +15,9 @@ under a new generation id; the manifest, renamed last, names them, so a failed s
 the previous checkpoint loadable, and files of other generations are removed only after
 the new manifest is in place. Every rank reports whether its writes succeeded through one
 all_reduce before the manifest is written, and on load whether its part was accepted
-before any rank changes anything.
+before any rank changes anything. Before reading a file, load checks it against the
+manifest (named there, same size, same CRC-32) and refuses, naming the file, one that is
+missing, resized or corrupted, as it refuses a manifest that does not parse.
 """
 import contextlib
 import json
@@ -26,7 +29,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from distopt.checkpoint import write_atomic
+from distopt.checkpoint import crc32_of, write_atomic
 from distopt.parallel import shard as _shard
 from distopt.parallel.sync import collective_device
 
@@ -34,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "distopt.data_parallel"
-VERSION = 1
+VERSION = 2
 
 __all__ = ["FORMAT", "MANIFEST", "load", "save"]
 
@@ -106,6 +109,17 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
             f"Invalid save to {path!r}: rank {opt.rank} "
             f"{'failed: ' + repr(error) if error else 'succeeded but another rank failed'}"
         ) from error
+    try:
+        records = [None] * dist.get_world_size(opt.process_group)
+        dist.all_gather_object(
+            records,
+            {name: {"bytes": os.path.getsize(os.path.join(path, name)),
+                    "crc32": crc32_of(os.path.join(path, name))} for name in written},
+            group=opt.process_group,
+        )
+    except Exception as exc:
+        _remove(path, written)
+        raise _lost(opt, "save to", path, exc) from exc
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -115,6 +129,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         "state_per_rank": per_rank,
         "shard": opt.shard,
         "residuals": opt._codec.error_feedback or opt._codec.state_dict() is not None,
+        "files": {name: record for part in records for name, record in part.items()},
     }
     error = None
     if opt.rank == 0:
@@ -143,12 +158,25 @@ def load(opt: Any, path: str) -> None:
     loader = None
     error = None
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
+        where = os.path.join(path, MANIFEST)
+        with open(where, "rb") as f:
+            try:
+                manifest = json.loads(f.read().decode())
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(
+                    f"Invalid checkpoint: {where!r} does not parse as JSON ({exc}); expected "
+                    f"the manifest that DataParallelOptimizer.save writes"
+                ) from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ValueError(
-                f"Invalid checkpoint {path!r}: format {manifest.get('format')!r} (expected "
-                f"{FORMAT!r}, written by DataParallelOptimizer.save)"
+                f"Invalid checkpoint {path!r}: format "
+                f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r} "
+                f"(expected {FORMAT!r}, written by DataParallelOptimizer.save)"
+            )
+        if manifest.get("version") != VERSION or not isinstance(manifest.get("files"), dict):
+            raise ValueError(
+                f"Invalid checkpoint {path!r}: version {manifest.get('version')!r} (expected "
+                f"{VERSION}, whose manifest records each file's size and CRC-32)"
             )
         if manifest["optimizer_class"] != opt.optimizer_class.__name__:
             raise ValueError(
@@ -168,11 +196,12 @@ def load(opt: Any, path: str) -> None:
         else:
             source = opt.rank if manifest["state_per_rank"] else 0
             sd = torch.load(
-                os.path.join(path, f"dp-{generation}-state-rank{source}.pt"), weights_only=True
+                _checked(path, manifest, f"dp-{generation}-state-rank{source}.pt"),
+                weights_only=True,
             )
         if manifest["residuals"]:
             part = torch.load(
-                os.path.join(path, f"dp-{generation}-residuals-rank{opt.rank}.pt"),
+                _checked(path, manifest, f"dp-{generation}-residuals-rank{opt.rank}.pt"),
                 weights_only=True,
             )
             if isinstance(part, dict) and "compression" in part:
@@ -202,7 +231,7 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
     parts: Dict[int, List[Any]] = {}
     groups = None
     for r in range(manifest["world_size"]):
-        name = os.path.join(path, f"dp-{manifest['generation']}-shard-rank{r}.pt")
+        name = _checked(path, manifest, f"dp-{manifest['generation']}-shard-rank{r}.pt")
         part = torch.load(name, weights_only=True, mmap=True)
         groups = part["param_groups"]
         for i, (a, b) in part["pieces"].items():
@@ -230,6 +259,32 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
             state[i] = _shard.merge_pieces([(a, b, e) for a, b, e, _ in ps], trained[i].shape,
                                            manifest["shard"] == "flat")
     return {"state": state, "param_groups": groups}
+
+
+def _checked(path: str, manifest: Dict[str, Any], name: str) -> str:
+    """``path/name`` once it is checked against the manifest's record of it.
+
+    Raises:
+        ValueError: the manifest does not name the file, or the file is missing, of another
+            size or of another CRC-32 (naming the file and what differs).
+    """
+    full = os.path.join(path, name)
+    record = manifest["files"].get(name)
+    if not isinstance(record, dict):
+        raise ValueError(f"Invalid checkpoint: {full!r} is not among the manifest's files "
+                         f"{sorted(manifest['files'])}")
+    try:
+        size = os.path.getsize(full)
+    except OSError as exc:
+        raise ValueError(f"Invalid checkpoint: {full!r} is missing ({exc.strerror})") from None
+    if size != record.get("bytes"):
+        raise ValueError(f"Invalid checkpoint: {full!r} holds {size} bytes (the manifest "
+                         f"records {record.get('bytes')})")
+    crc = crc32_of(full)
+    if crc != record.get("crc32"):
+        raise ValueError(f"Invalid checkpoint: {full!r} has CRC-32 {crc} (the manifest records "
+                         f"{record.get('crc32')}): the file is corrupted")
+    return full
 
 
 def _write_bytes(name: str, data: bytes) -> None:

@@ -637,6 +637,35 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         other.load(path)
     except ValueError as exc:
         out["other_class"] = str(exc)
+    # A flipped byte in the state file, then a residuals file gone: refused on every rank,
+    # naming the file, before anything changes.
+    state = next(n for n in out["files_after_second_save"] if "-state-" in n)
+    residuals = next(n for n in out["files_after_second_save"] if n.endswith("residuals-rank1.pt"))
+    before = resumed.state_dict()
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(path, state), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(path, state)) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+    dist.barrier()
+    for what, damage in (("flipped", None), ("missing", residuals)):
+        if damage is not None:
+            dist.barrier()
+            if rank == 0:
+                os.rename(os.path.join(path, damage), os.path.join(path, damage + ".away"))
+            dist.barrier()
+        try:
+            resumed.load(path)
+        except ValueError as exc:
+            out[what] = str(exc)
+        if damage is None and rank == 0:
+            with open(os.path.join(path, state), "r+b") as f:  # put the byte back
+                f.seek(os.path.getsize(os.path.join(path, state)) // 2)
+                f.write(byte)
+    out["state_unchanged"] = _same_state(resumed.state_dict(), before)
+    out["state_file"], out["residuals_file"] = state, residuals
     dist.barrier()
     if rank == 0:
         with open(os.path.join(path, "manifest.json"), "w") as f:
@@ -647,6 +676,17 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     except ValueError as exc:
         out["corrupt"] = str(exc)
     return out
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 # ---------------------------------------------------------------- subgroups

@@ -4,6 +4,7 @@ The reference for every number is the unsharded DataParallelOptimizer with the s
 options (its parity with torch.optim is tested in test_parity.py): sharding must not change
 a bit of the parameters or of the state_dict.
 """
+import json
 import math
 import os
 from typing import Any, Dict, List, Optional
@@ -292,6 +293,15 @@ def load_refuses_gaps(rank: int, world_size: int, path: str) -> str:
         dropped = next(iter(part["pieces"]))
         del part["pieces"][dropped]
         torch.save(part, name)
+        # ...and the manifest agrees with the new file: only the coverage check can tell.
+        from distopt.checkpoint import crc32_of
+        where = os.path.join(path, "manifest.json")
+        with open(where) as f:
+            recorded = json.load(f)
+        recorded["files"][os.path.basename(name)] = {
+            "bytes": os.path.getsize(name), "crc32": crc32_of(name)}
+        with open(where, "w") as f:
+            json.dump(recorded, f)
     dist.barrier()
     try:
         opt.load(path)

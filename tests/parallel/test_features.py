@@ -243,7 +243,15 @@ def test_save_and_load_resume_exactly(tmp_path):
     for r in results:
         assert torch.equal(r["resumed"], r["uninterrupted"])
         assert "optimizer_class" in r["other_class"]
-        assert "rank" in r["corrupt"]
+        assert "rank" in r["corrupt"] and "manifest.json" in r["corrupt"], r["corrupt"]
+        assert "does not parse as JSON" in r["corrupt"]
+        # both ranks read the (one) state file: each names it and its CRC-32
+        assert r["state_file"] in r["flipped"] and "CRC-32" in r["flipped"], r["flipped"]
+        assert r["state_unchanged"]
+    # rank 1's residuals file is gone: rank 1 names it, rank 0 hears that another refused
+    assert results[1]["residuals_file"] in results[1]["missing"], results[1]["missing"]
+    assert "is missing" in results[1]["missing"]
+    assert "another rank refused" in results[0]["missing"], results[0]["missing"]
     files = results[0]["files"]
     assert "manifest.json" in files
     assert sum("state" in f for f in files) == 1 and sum("residuals" in f for f in files) == 2
