@@ -6,8 +6,12 @@ the older folders. Whatever stops a save midway (a killed trainer or owner), ``l
 names the previous complete checkpoint, which is what a restart resumes from.
 """
 import os
+import pickle
+import re
 import shutil
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
 
 LATEST_FILE = "latest"
 
@@ -28,12 +32,78 @@ def latest_checkpoint(directory: str) -> Optional[str]:
             name = f.read().strip()
     except FileNotFoundError:
         return None
-    if not name.startswith("step-") or os.sep in name or name in (".", ".."):
+    where = os.path.join(directory, LATEST_FILE)
+    if not re.fullmatch(r"step-\d+", name):
         raise ValueError(
-            f"Invalid checkpoint: {os.path.join(directory, LATEST_FILE)!r} holds {name!r} "
-            f"(expected the name of a step-N folder beside it)"
+            f"Invalid checkpoint: {where!r} holds {name!r} (expected the name of a step-N "
+            f"folder beside it)"
         )
-    return os.path.join(directory, name)
+    folder = os.path.join(directory, name)
+    if not os.path.isdir(folder):
+        raise ValueError(f"Invalid checkpoint: {where!r} names {name!r}, which is missing")
+    return folder
+
+
+def step_of(folder: str) -> int:
+    """The step a ``step-N`` folder was saved after."""
+    return int(os.path.basename(folder)[len("step-"):])
+
+
+def resumable(options: Any, file: str, keys: Sequence[str]) -> Optional[str]:
+    """The checkpoint folder a run with these ``options`` continues, or None for a fresh run.
+
+    ``options`` has ``checkpoint`` (DIR), ``resume`` (a checkpoint must be there; optional)
+    and ``auto_resume`` (continue one if there). The options named in ``keys`` must equal
+    those the checkpoint's ``file`` recorded (``options_of``): a resumed run continues the
+    run that saved it.
+
+    Raises:
+        ValueError: DIR holds a checkpoint but the run does not resume (its first save would
+            remove it), ``--resume`` without a checkpoint, a broken ``latest`` or ``file``, or
+            an option that differs from the checkpoint's; the message names what and where.
+    """
+    directory = options.checkpoint
+    if not directory:
+        return None
+    folder = latest_checkpoint(directory)
+    if folder is None:
+        if getattr(options, "resume", False):
+            raise ValueError(f"Invalid --checkpoint: {directory!r} holds no checkpoint to "
+                             f"resume (no {LATEST_FILE!r} file)")
+        return None
+    if not (getattr(options, "resume", False) or options.auto_resume):
+        raise ValueError(
+            f"Invalid --checkpoint: {directory!r} already holds a checkpoint (after step "
+            f"{step_of(folder)}); pass --auto-resume to continue it, or give another directory"
+        )
+    path = os.path.join(folder, file)
+    try:
+        saved = torch.load(path, weights_only=True)["options"]
+    except (OSError, KeyError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"Invalid checkpoint: {path!r} cannot be read ({exc!r})") from None
+    for key in keys:
+        if saved.get(key) != getattr(options, key):
+            raise ValueError(
+                f"Invalid --{key.replace('_', '-')}: {getattr(options, key)!r} (the checkpoint "
+                f"in {folder!r} was saved by a run with {saved.get(key)!r}; a resumed run takes "
+                f"the options of the run it continues)"
+            )
+    return folder
+
+
+def options_of(options: Any, keys: Sequence[str]) -> Dict[str, Any]:
+    """The options a checkpoint records, for ``resumable`` to compare."""
+    return {key: getattr(options, key) for key in keys}
+
+
+def remove_unpublished(directory: str) -> None:
+    """Remove ``step-N`` folders that ``latest`` does not name (saves a crash cut short)."""
+    latest = latest_checkpoint(directory)
+    keep = None if latest is None else os.path.basename(latest)
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if name.startswith("step-") and name != keep:
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def write_durably(path: str, write: Callable[[Any], Any]) -> None:

@@ -220,12 +220,15 @@ class CharCorpus:
 # ---------------------------------------------------------------- checkpoints
 
 TRAINER_FILE = "trainer.pt"
+#: The options a resumed run must share with the run that saved the checkpoint.
+RESUME_KEYS = ("optimizer", "lr", "hidden", "layers", "embedding_dim", "batch_size", "seq_len",
+               "seed", "text", "clip", "schedule", "steps")
 
 
 def save_checkpoint(
     directory: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler], step: int,
-    lstm_state: Optional[State] = None,
+    lstm_state: Optional[State] = None, recorded: Optional[Dict[str, object]] = None,
 ) -> str:
     """Save everything needed to go on after ``step`` into ``directory/step-<step>``.
 
@@ -241,6 +244,7 @@ def save_checkpoint(
         "weights": model.weights(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "lstm_state": lstm_state,
+        "options": recorded or {},
     }
     _checkpoints.write_durably(os.path.join(folder, TRAINER_FILE),
                                lambda f: torch.save(trainer, f))
@@ -315,14 +319,12 @@ def train(options: argparse.Namespace) -> None:
         )
     first_step = 1
     state: Optional[State] = None
-    resume = options.resume or (
-        options.auto_resume and _checkpoints.latest_checkpoint(options.checkpoint) is not None
-    )
-    if resume:
+    if options.checkpoint:
+        _checkpoints.remove_unpublished(options.checkpoint)
+    if options.resume_from:
         done, state = load_checkpoint(options.checkpoint, model, opt, scheduler)
         first_step = done + 1
-        print(f"resumed from {_checkpoints.latest_checkpoint(options.checkpoint)} after step "
-              f"{done}", flush=True)
+        print(f"resumed from {options.resume_from} after step {done}", flush=True)
     loss_log = open(options.loss_log, "a", encoding="utf-8") if options.loss_log else None
     print(
         f"{corpus.streams.numel()} characters, vocabulary {corpus.vocab_size}; "
@@ -376,7 +378,8 @@ def train(options: argparse.Namespace) -> None:
             )
             tokens_since, since = 0, time.perf_counter()
         if options.checkpoint and (step % options.save_every == 0 or step == options.steps):
-            folder = save_checkpoint(options.checkpoint, model, opt, scheduler, step, state)
+            folder = save_checkpoint(options.checkpoint, model, opt, scheduler, step, state,
+                                     _checkpoints.options_of(options, RESUME_KEYS))
             print(f"checkpoint saved to {folder} after step {step}", flush=True)
         if step == options.stop_after:
             print(f"stopping after step {step} (--stop-after)", flush=True)
@@ -447,14 +450,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if getattr(options, flag) and not options.checkpoint:
             parser.error(f"Invalid --{flag.replace('_', '-')}: given without --checkpoint "
                          f"(expected a directory)")
-    if options.resume:
-        try:
-            found = _checkpoints.latest_checkpoint(options.checkpoint)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if found is None:
-            parser.error(f"Invalid --checkpoint: {options.checkpoint!r} holds no checkpoint to "
-                         f"resume (no {_checkpoints.LATEST_FILE!r} file)")
+    try:
+        options.resume_from = _checkpoints.resumable(options, TRAINER_FILE, RESUME_KEYS)
+    except ValueError as exc:
+        parser.error(str(exc))
     if options.clip < 0:
         parser.error(f"Invalid --clip: {options.clip!r} (expected >= 0)")
     for name in ("steps", "hidden", "layers", "embedding_dim", "batch_size", "seq_len", "log_every",

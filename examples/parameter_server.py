@@ -110,6 +110,9 @@ def held_out_loss(model: nn.Module, options: argparse.Namespace) -> float:
 
 SERVER_FILE = "server.pt"
 TRAINER_FILE = "trainer.pt"
+#: The options a resumed run must share with the run that saved the checkpoint (--steps may
+#: grow: nothing depends on it).
+RESUME_KEYS = ("trainers", "optimizer", "lr", "batch_size", "features", "hidden", "seed")
 # The server's model and tally, for the checkpoint barrier (set by ``serve``).
 _served: Dict[str, Any] = {}
 _barrier_lock = threading.Lock()
@@ -135,6 +138,7 @@ def checkpoint_barrier(parties: int, folder: Optional[str]) -> torch.futures.Fut
             state = {
                 "model": {k: v.detach().clone() for k, v in _served["model"].state_dict().items()},
                 "tally": _served["tally"].detach().clone(),
+                "options": _served["options"],
             }
             _checkpoints.write_durably(os.path.join(folder, SERVER_FILE),
                                        lambda f: torch.save(state, f))
@@ -156,16 +160,22 @@ def serve(options: argparse.Namespace) -> None:
     param_rrefs = [rpc.RRef(p) for p in model.parameters()]
     tally = torch.zeros(1, requires_grad=True)
     tally_rref = rpc.RRef(tally)
-    _served.update(model=model, tally=tally)
+    _served.update(model=model, tally=tally,
+                   options=_checkpoints.options_of(options, RESUME_KEYS))
     done = 0
-    folder = _checkpoints.latest_checkpoint(options.checkpoint) if options.auto_resume else None
+    folder = options.resume_from
+    if options.checkpoint:
+        _checkpoints.remove_unpublished(options.checkpoint)
     if folder is not None:
         state = torch.load(os.path.join(folder, SERVER_FILE), weights_only=True)
         model.load_state_dict(state["model"])
         with torch.no_grad():
             tally.copy_(state["tally"])
-        done = int(os.path.basename(folder)[len("step-"):])
+        done = _checkpoints.step_of(folder)
         print(f"ps: resumed from {folder} after step {done}", flush=True)
+        if done >= options.steps:
+            print(f"nothing to do: the checkpoint is already at step {done}", flush=True)
+            return
     before = held_out_loss(model, options)
     print(
         f"ps: MLP {options.features}-{options.hidden}-{options.hidden}-1, "
@@ -322,6 +332,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.auto_resume and not options.checkpoint:
         parser.error("Invalid --auto-resume: given without --checkpoint (expected a directory)")
+    try:
+        options.resume_from = _checkpoints.resumable(options, SERVER_FILE, RESUME_KEYS)
+    except ValueError as exc:
+        parser.error(str(exc))
     for name in ("trainers", "steps", "batch_size", "features", "hidden", "log_every",
                  "save_every"):
         if getattr(options, name) < 1:

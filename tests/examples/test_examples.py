@@ -1,5 +1,7 @@
 """Each example runs end to end, as a user would start it, with tiny settings."""
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -68,13 +70,46 @@ def test_model_parallel_rnn_resume_continues_exactly(tmp_path) -> None:
     assert len(straight) == 4, straight
     assert _step_lines(resumed) == straight[2:], (straight, resumed)
     assert sorted(os.listdir(ckpt)) == ["latest", "step-00000040"]
-    (ckpt / "latest").write_text("../elsewhere")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "model_parallel_rnn.py"), *common,
-         "--checkpoint", str(ckpt), "--resume"],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
-    assert proc.returncode == 2 and "expected the name of a step-N folder" in proc.stderr
+    # Refused before any work: a fresh run into DIR (its first save would remove the
+    # checkpoint), a resume with other options, a `latest` that names nothing valid.
+    for extra, message in (
+        (["--checkpoint", str(ckpt)], "already holds a checkpoint (after step 40)"),
+        (["--checkpoint", str(ckpt), "--auto-resume", "--lr", "0.05"],
+         "Invalid --lr: 0.05 (the checkpoint in"),
+    ):
+        refused = _refused("model_parallel_rnn.py", common + extra)
+        assert message in refused, refused
+    for latest, message in (("../elsewhere", "expected the name of a step-N folder"),
+                            ("step-00000099", "names 'step-00000099', which is missing")):
+        (ckpt / "latest").write_text(latest)
+        refused = _refused("model_parallel_rnn.py", common + ["--checkpoint", str(ckpt),
+                                                              "--resume"])
+        assert message in refused, refused
+
+
+def _refused(script: str, args: List[str]) -> str:
+    """``examples/<script>``'s command line ``args`` refused (exit 2, as argparse does, before
+    any process starts); what it printed."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(err):
+        _load_example(script).parse_args(args)
+    assert info.value.code == 2, err.getvalue()
+    return err.getvalue()
+
+
+def test_parameter_server_checkpoint_resumes_and_refuses_other_options(tmp_path) -> None:
+    """Saved after step 10 of 10 and resumed to 20: the tally counts 20 updates; the same
+    checkpoint is refused with another --trainers, and without --auto-resume."""
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--trainers", "1", "--log-every", "10", "--save-every", "10", "--checkpoint", ckpt]
+    run_example("parameter_server.py", common + ["--steps", "10"])
+    out = run_example("parameter_server.py", common + ["--steps", "20", "--auto-resume"])
+    assert "ps: resumed from" in out and "updates applied: 20 of 20 sent" in out, out
+    refused = _refused("parameter_server.py",
+                       common + ["--steps", "30", "--auto-resume", "--trainers", "2"])
+    assert "Invalid --trainers: 2 (the checkpoint in" in refused, refused
+    refused = _refused("parameter_server.py", common + ["--steps", "30"])
+    assert "already holds a checkpoint (after step 20)" in refused, refused
 
 
 @pytest.mark.parametrize("optimizer", ["Adam", "NAdam"])  # NAdam: not compiled by torch's version

@@ -6,8 +6,10 @@ where namespaces cannot be made (not root, no iproute2) the test is skipped with
 them: rank 0 on host 0 is the rendezvous, TensorPipe and gloo talk over ``eth0`` only.
 """
 import os
+import signal
 import socket
 import sys
+import threading
 from typing import Callable, Dict, Iterator, List
 
 import pytest
@@ -30,6 +32,13 @@ def hosts() -> Iterator[Callable[[int], netns.Hosts]]:
     if _WHY_NOT is not None:
         pytest.skip(f"no test hosts: {_WHY_NOT}")
     built: List[netns.Hosts] = []
+    # SIGTERM (a CI time limit, ``timeout``) would end pytest without any teardown and leave
+    # the hosts and their processes running: make it an interrupt, as SIGINT is.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _interrupt)
 
     def make(n: int) -> netns.Hosts:
         built.append(netns.Hosts(n))
@@ -44,8 +53,14 @@ def hosts() -> Iterator[Callable[[int], netns.Hosts]]:
                 h.close()
             except RuntimeError as exc:
                 errors.append(exc)
+        if previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
         if errors:
             raise errors[0]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def free_port() -> int:

@@ -51,7 +51,7 @@ class BlockingSGD(torch.optim.SGD):
     def step(self, closure=None):
         if _armed:
             print("OWNER-IN-STEP", flush=True)
-            sys.stdin.readline()  # never written: the test kills this process or cuts it off
+            sys.stdin.readline()  # the test kills this process, or cuts its link and writes
         return super().step(closure)
 
 
