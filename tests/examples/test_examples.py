@@ -14,6 +14,8 @@ from torch import nn
 
 from distopt.arguments import check_optimizer_class
 from functional import functional_optim_map, script_optimizer
+from tests.hosts import checkpoints
+from tests.hosts.conftest import RNN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 120
@@ -49,31 +51,32 @@ def test_model_parallel_rnn_loss_falls() -> None:
     assert "compiled: True" in out
 
 
-def _step_lines(out: str) -> List[str]:
-    return re.findall(r"^step +\d+ +loss [\d.]+ +held-out [\d.]+ +lr \S+ +grad-norm [\d.]+", out, re.MULTILINE)
-
-
-def test_model_parallel_rnn_resume_continues_exactly(tmp_path) -> None:
-    """Interrupted after step 20 and resumed from its checkpoint, the run logs the same
-    losses, learning rates and gradient norms at steps 30 and 40 as an uninterrupted one.
-    --auto-resume starts fresh in an empty DIR and resumes where DIR holds a checkpoint;
-    each save leaves one step-N folder, named by DIR/latest."""
-    common = ["--steps", "40", "--log-every", "10", "--hidden", "32", "--sample", "0"]
-    straight = _step_lines(run_example("model_parallel_rnn.py", common))
-    ckpt = tmp_path / "ckpt"
-    saving = common + ["--checkpoint", str(ckpt), "--save-every", "20", "--auto-resume"]
-    first = run_example("model_parallel_rnn.py", saving + ["--stop-after", "20"])
-    assert "stopping after step 20" in first and "resumed" not in first, first
+def test_model_parallel_rnn_resume_continues_exactly(tmp_path, rnn_one_machine) -> None:
+    """Interrupted after step 25 (last checkpoint after step 20) and resumed, the run logs
+    exactly the losses of an uninterrupted one (``rnn_one_machine``: the same options, one
+    run) for every step, the redone ones included, and ends with the same checkpoint, bit for
+    bit. --auto-resume starts fresh in an empty DIR and resumes where DIR holds a
+    checkpoint; each save leaves one step-N folder, named by DIR/latest."""
+    ckpt, losses = tmp_path / "ckpt", str(tmp_path / "losses")
+    common = [*RNN_ARGS]
+    saving = common + ["--checkpoint", str(ckpt), "--auto-resume", "--loss-log", losses]
+    first = run_example("model_parallel_rnn.py", saving + ["--stop-after", "25"])
+    assert "stopping after step 25" in first and "resumed" not in first, first
     assert sorted(os.listdir(ckpt)) == ["latest", "step-00000020"]
     resumed = run_example("model_parallel_rnn.py", saving)
     assert f"resumed from {ckpt / 'step-00000020'} after step 20" in resumed, resumed
-    assert len(straight) == 4, straight
-    assert _step_lines(resumed) == straight[2:], (straight, resumed)
-    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000040"]
+    want_losses, want_state = rnn_one_machine
+    logged = checkpoints.loss_log(losses)
+    assert sorted(logged) == sorted(want_losses) == list(range(1, 61))
+    assert [len(v) for v in logged.values()].count(2) == 5  # steps 21..25, twice
+    for step, values in logged.items():
+        assert values == want_losses[step] * len(values), step
+    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000060"]
+    checkpoints.assert_identical(checkpoints.contents(str(ckpt / "step-00000060")), want_state)
     # Refused before any work: a fresh run into DIR (its first save would remove the
     # checkpoint), a resume with other options, a `latest` that names nothing valid.
     for extra, message in (
-        (["--checkpoint", str(ckpt)], "already holds a checkpoint (after step 40)"),
+        (["--checkpoint", str(ckpt)], "already holds a checkpoint (after step 60)"),
         (["--checkpoint", str(ckpt), "--auto-resume", "--lr", "0.05"],
          "Invalid --lr: 0.05 (the checkpoint in"),
     ):
@@ -95,21 +98,6 @@ def _refused(script: str, args: List[str]) -> str:
         _load_example(script).parse_args(args)
     assert info.value.code == 2, err.getvalue()
     return err.getvalue()
-
-
-def test_parameter_server_checkpoint_resumes_and_refuses_other_options(tmp_path) -> None:
-    """Saved after step 10 of 10 and resumed to 20: the tally counts 20 updates; the same
-    checkpoint is refused with another --trainers, and without --auto-resume."""
-    ckpt = str(tmp_path / "ckpt")
-    common = ["--trainers", "1", "--log-every", "10", "--save-every", "10", "--checkpoint", ckpt]
-    run_example("parameter_server.py", common + ["--steps", "10"])
-    out = run_example("parameter_server.py", common + ["--steps", "20", "--auto-resume"])
-    assert "ps: resumed from" in out and "updates applied: 20 of 20 sent" in out, out
-    refused = _refused("parameter_server.py",
-                       common + ["--steps", "30", "--auto-resume", "--trainers", "2"])
-    assert "Invalid --trainers: 2 (the checkpoint in" in refused, refused
-    refused = _refused("parameter_server.py", common + ["--steps", "30"])
-    assert "already holds a checkpoint (after step 20)" in refused, refused
 
 
 @pytest.mark.parametrize("optimizer", ["Adam", "NAdam"])  # NAdam: not compiled by torch's version

@@ -45,7 +45,7 @@ def test_rnn_across_three_hosts_equals_one_machine(hosts, rnn_one_machine, tmp_p
 
 
 def test_parameter_server_with_three_trainer_hosts_loses_no_update(hosts):
-    steps, trainers = 150, 3
+    steps, trainers = 60, 3
     h = hosts(1 + trainers)
     job = run_across(h, [PS, "--trainers", str(trainers), "--steps", str(steps),
                          "--log-every", str(steps)], world=1 + trainers)

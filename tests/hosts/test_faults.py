@@ -22,7 +22,7 @@ from tests.hosts import jobs
 from tests.hosts.conftest import PYTHON, ROOT, free_port, host_env
 
 SHARD = re.compile(r"shard-([0-9a-f]{16})-")
-RPC_TIMEOUT_S = 6.0
+RPC_TIMEOUT_S = 4.0
 START_TIMEOUT_S = 180
 
 
@@ -60,6 +60,8 @@ def test_owner_lost_mid_step_is_named_and_the_trainer_exits(hosts, tmp_path, fau
         assert job.procs[0].wait(timeout=30) == 0, job.text(0)
     finally:
         job.kill()
+    print(f"{fault}: error after {got['seconds']:.3f} s, shutdown "
+          f"{got['shutdown_seconds'] * 1000:.1f} ms")
     assert got["failures"] == ["owner2"], got
     assert got["succeeded"] == ["owner1"], got
     assert re.search(r"\bowner2: ", got["error"]), got["error"]
@@ -67,7 +69,7 @@ def test_owner_lost_mid_step_is_named_and_the_trainer_exits(hosts, tmp_path, fau
     if fault == "owner-killed":
         # its connections closed with it: no need to wait for the timeout (had it not been
         # killed, owner2 would still block in its step and only the timeout would end it)
-        assert got["seconds"] < RPC_TIMEOUT_S / 2, got
+        assert got["seconds"] < RPC_TIMEOUT_S - 1, got
     else:
         # nothing told the trainer: the RPC timeout ended the wait
         assert RPC_TIMEOUT_S - 0.5 <= got["seconds"] < RPC_TIMEOUT_S + 5, got

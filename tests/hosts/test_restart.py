@@ -12,7 +12,8 @@ optimizer state bit for bit. On one host (``--standalone``) and across three tes
 The parameter server, one trainer, under ``torchrun --standalone``: the server (the owner
 of every parameter) is killed after the trainer logged step 25; the restarted run resumes
 after step 20 and ends with the weights, the tally (exactly 60 updates) and the trainer's
-optimizer state and data generator of an uninterrupted run, bit for bit.
+optimizer state and data generator of an uninterrupted run, bit for bit; its checkpoint is
+then refused with another ``--trainers`` or without ``--auto-resume``.
 """
 import os
 from typing import List
@@ -21,6 +22,7 @@ from tests.hosts import checkpoints, jobs
 from tests.hosts.conftest import (
     EXAMPLE_TIMEOUT_S, PYTHON, RNN, RNN_ARGS, ROOT, free_port, local_env,
 )
+from tests.examples.test_examples import _refused
 from tests.hosts.test_examples_across_hosts import PS
 
 KILL_AFTER = r"^step +25 "
@@ -124,3 +126,10 @@ def test_parameter_server_under_torchrun_resumes_exactly(tmp_path):
         checkpoints.server_contents(checkpoints.latest_folder(str(tmp_path / "ckpt")), 1),
         checkpoints.server_contents(checkpoints.latest_folder(str(straight)), 1),
     )
+    # The same checkpoint is refused, before any work, with another --trainers and without
+    # --auto-resume; past its step there is nothing to do.
+    common = [*PS_ARGS, "--checkpoint", str(straight)]
+    refused = _refused("parameter_server.py", common + ["--auto-resume", "--trainers", "2"])
+    assert "Invalid --trainers: 2 (the checkpoint in" in refused, refused
+    refused = _refused("parameter_server.py", common)
+    assert "already holds a checkpoint (after step 60)" in refused, refused
