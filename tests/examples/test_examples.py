@@ -14,8 +14,6 @@ from torch import nn
 
 from distopt.arguments import check_optimizer_class
 from functional import functional_optim_map, script_optimizer
-from tests.hosts import checkpoints
-from tests.hosts.conftest import RNN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 120
@@ -49,45 +47,6 @@ def test_model_parallel_rnn_loss_falls() -> None:
     first, final = float(match.group(1)), float(match.group(2))
     assert final < first, out
     assert "compiled: True" in out
-
-
-def test_model_parallel_rnn_resume_continues_exactly(tmp_path, rnn_one_machine) -> None:
-    """Interrupted after step 25 (last checkpoint after step 20) and resumed, the run logs
-    exactly the losses of an uninterrupted one (``rnn_one_machine``: the same options, one
-    run) for every step, the redone ones included, and ends with the same checkpoint, bit for
-    bit. --auto-resume starts fresh in an empty DIR and resumes where DIR holds a
-    checkpoint; each save leaves one step-N folder, named by DIR/latest."""
-    ckpt, losses = tmp_path / "ckpt", str(tmp_path / "losses")
-    common = [*RNN_ARGS]
-    saving = common + ["--checkpoint", str(ckpt), "--auto-resume", "--loss-log", losses]
-    first = run_example("model_parallel_rnn.py", saving + ["--stop-after", "25"])
-    assert "stopping after step 25" in first and "resumed" not in first, first
-    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000020"]
-    resumed = run_example("model_parallel_rnn.py", saving)
-    assert f"resumed from {ckpt / 'step-00000020'} after step 20" in resumed, resumed
-    want_losses, want_state = rnn_one_machine
-    logged = checkpoints.loss_log(losses)
-    assert sorted(logged) == sorted(want_losses) == list(range(1, 61))
-    assert [len(v) for v in logged.values()].count(2) == 5  # steps 21..25, twice
-    for step, values in logged.items():
-        assert values == want_losses[step] * len(values), step
-    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000060"]
-    checkpoints.assert_identical(checkpoints.contents(str(ckpt / "step-00000060")), want_state)
-    # Refused before any work: a fresh run into DIR (its first save would remove the
-    # checkpoint), a resume with other options, a `latest` that names nothing valid.
-    for extra, message in (
-        (["--checkpoint", str(ckpt)], "already holds a checkpoint (after step 60)"),
-        (["--checkpoint", str(ckpt), "--auto-resume", "--lr", "0.05"],
-         "Invalid --lr: 0.05 (the checkpoint in"),
-    ):
-        refused = _refused("model_parallel_rnn.py", common + extra)
-        assert message in refused, refused
-    for latest, message in (("../elsewhere", "expected the name of a step-N folder"),
-                            ("step-00000099", "names 'step-00000099', which is missing")):
-        (ckpt / "latest").write_text(latest)
-        refused = _refused("model_parallel_rnn.py", common + ["--checkpoint", str(ckpt),
-                                                              "--resume"])
-        assert message in refused, refused
 
 
 def _refused(script: str, args: List[str]) -> str:

@@ -7,7 +7,9 @@ trainer resumes from the last complete checkpoint (step 20). The run must then e
 exactly what an uninterrupted run (one machine, no torchrun) that saved at the same steps
 ends with: every step's loss (the steps done twice, both times), the final weights and
 optimizer state bit for bit. On one host (``--standalone``) and across three test hosts
-(c10d rendezvous, one torchrun per host).
+(c10d rendezvous, one torchrun per host). The one-host run's finished checkpoint is then
+refused where it cannot be continued: a fresh run into its DIR, a resume with another
+``--lr`` or ``--steps``, a ``latest`` that names nothing valid.
 
 The parameter server, one trainer, under ``torchrun --standalone``: the server (the owner
 of every parameter) is killed after the trainer logged step 25; the restarted run resumes
@@ -62,6 +64,26 @@ def kill_owner_and_check(job: jobs.Job, marker: str, tmp_path, rnn_one_machine) 
     checkpoints.assert_identical(
         checkpoints.contents(checkpoints.latest_folder(str(tmp_path / "ckpt"))), want_state
     )
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000060"]
+
+
+def assert_refused_where_it_cannot_be_continued(ckpt) -> None:
+    """Refused before any work, naming the option or file: a fresh run into a DIR holding
+    the checkpoint (its first save would replace it), a resume with other options, and a
+    ``latest`` that names no step-N folder."""
+    common = [*RNN_ARGS, "--checkpoint", str(ckpt)]
+    for extra, message in (
+        ([], "already holds a checkpoint (after step 60)"),
+        (["--auto-resume", "--lr", "0.05"], "Invalid --lr: 0.05 (the checkpoint in"),
+        (["--resume", "--steps", "80"], "Invalid --steps: 80 (the checkpoint in"),
+    ):
+        refused = _refused("model_parallel_rnn.py", common + extra)
+        assert message in refused, refused
+    for latest, message in (("../elsewhere", "expected the name of a step-N folder"),
+                            ("step-00000099", "names 'step-00000099', which is missing")):
+        (ckpt / "latest").write_text(latest)
+        refused = _refused("model_parallel_rnn.py", common + ["--resume"])
+        assert message in refused, refused
 
 
 def test_torchrun_on_one_host_resumes_exactly(rnn_one_machine, tmp_path):
@@ -74,6 +96,7 @@ def test_torchrun_on_one_host_resumes_exactly(rnn_one_machine, tmp_path):
         kill_owner_and_check(job, marker, tmp_path, rnn_one_machine)
     finally:
         job.kill()
+    assert_refused_where_it_cannot_be_continued(tmp_path / "ckpt")
 
 
 def test_torchrun_across_three_hosts_resumes_exactly(hosts, rnn_one_machine, tmp_path):
