@@ -11,8 +11,8 @@ optimizer state bit for bit. On one host (``--standalone``) and across three tes
 refused where it cannot be continued: a fresh run into its DIR, a resume with another
 ``--lr`` or ``--steps``, a ``latest`` that names nothing valid.
 
-The parameter server, one trainer, under ``torchrun --standalone``: the server (the owner
-of every parameter) is killed after the trainer logged step 25; the restarted run resumes
+The parameter server, one trainer, under torchrun across two test hosts: the server (the
+owner of every parameter) is killed after the trainer logged step 25; the restarted run resumes
 after step 20 and ends with the weights, the tally (exactly 60 updates) and the trainer's
 optimizer state and data generator of an uninterrupted run, bit for bit; its checkpoint is
 then refused with another ``--trainers`` or without ``--auto-resume``.
@@ -99,20 +99,26 @@ def test_torchrun_on_one_host_resumes_exactly(rnn_one_machine, tmp_path):
     assert_refused_where_it_cannot_be_continued(tmp_path / "ckpt")
 
 
-def test_torchrun_across_three_hosts_resumes_exactly(hosts, rnn_one_machine, tmp_path):
-    h = hosts(3)
-    marker = f"three-hosts-{os.getpid()}"
+def torchrun_across(h, marker: str, argv: List[str]) -> jobs.Job:
+    """One torchrun per host of ``h`` (c10d rendezvous on host 0), each running ``argv``."""
     endpoint = f"{h.addresses[0]}:{free_port()}"
     job = jobs.Job()
-    for i in range(3):
+    n = len(h.namespaces)
+    for i in range(n):
         # Namespaces share the machine's hostname, so torchrun cannot tell which host serves
         # the rendezvous: is_host says it; --local-addr is each host's own address.
-        job.start(["torchrun", "--nnodes", "3", "--nproc-per-node", "1",
+        job.start(["torchrun", "--nnodes", str(n), "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                    "--rdzv-id", marker, "--rdzv-conf", f"is_host={int(i == 0)}",
                    "--local-addr", h.addresses[i], "--max-restarts", "2",
-                   "--monitor-interval", "0.1", *example_args(tmp_path, "eth0")],
+                   "--monitor-interval", "0.1", *argv],
                   env=torchrun_env(marker), hosts=h, host=i, cwd=ROOT)
+    return job
+
+
+def test_torchrun_across_three_hosts_resumes_exactly(hosts, rnn_one_machine, tmp_path):
+    marker = f"three-hosts-{os.getpid()}"
+    job = torchrun_across(hosts(3), marker, example_args(tmp_path, "eth0"))
     try:
         kill_owner_and_check(job, marker, tmp_path, rnn_one_machine)
     finally:
@@ -122,24 +128,22 @@ def test_torchrun_across_three_hosts_resumes_exactly(hosts, rnn_one_machine, tmp
 PS_ARGS = ["--trainers", "1", "--steps", "60", "--log-every", "5", "--save-every", "20"]
 
 
-def test_parameter_server_under_torchrun_resumes_exactly(tmp_path):
+def test_parameter_server_under_torchrun_across_two_hosts_resumes_exactly(hosts, tmp_path):
     straight = tmp_path / "straight"
     job = jobs.Job()
     job.start([PYTHON, PS, *PS_ARGS, "--checkpoint", str(straight)], env=local_env(), cwd=ROOT)
     assert job.finish(EXAMPLE_TIMEOUT_S) == [0], job.text()
     assert "updates applied: 60 of 60 sent" in job.text()
     marker = f"ps-{os.getpid()}"
-    job = jobs.Job()
-    job.start(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-               "--monitor-interval", "0.1", PS, *PS_ARGS, "--checkpoint", str(tmp_path / "ckpt"),
-               "--auto-resume", "--interface", "lo"], env=torchrun_env(marker), cwd=ROOT)
+    job = torchrun_across(hosts(2), marker, [PS, *PS_ARGS, "--checkpoint", str(tmp_path / "ckpt"),
+                                             "--auto-resume", "--interface", "eth0"])
     try:
         job.expect(r"^trainer1 step +25 ", TIMEOUT_S)
         victims = jobs.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="0",
                                      TORCHELASTIC_RESTART_COUNT="0")
         assert len(victims) == 1, (victims, job.text())
         os.kill(victims[0], 9)
-        assert job.finish(TIMEOUT_S) == [0], job.text()
+        assert job.finish(TIMEOUT_S) == [0, 0], job.text()
     finally:
         job.kill()
     out = job.text()
@@ -150,7 +154,7 @@ def test_parameter_server_under_torchrun_resumes_exactly(tmp_path):
         checkpoints.server_contents(checkpoints.latest_folder(str(straight)), 1),
     )
     # The same checkpoint is refused, before any work, with another --trainers and without
-    # --auto-resume; past its step there is nothing to do.
+    # --auto-resume.
     common = [*PS_ARGS, "--checkpoint", str(straight)]
     refused = _refused("parameter_server.py", common + ["--auto-resume", "--trainers", "2"])
     assert "Invalid --trainers: 2 (the checkpoint in" in refused, refused
