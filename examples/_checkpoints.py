@@ -9,9 +9,11 @@ import os
 import pickle
 import re
 import shutil
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
+
+from distopt.checkpoint import write_atomic
 
 LATEST_FILE = "latest"
 
@@ -97,7 +99,8 @@ def options_of(options: Any, keys: Sequence[str]) -> Dict[str, Any]:
 
 
 def remove_unpublished(directory: str) -> None:
-    """Remove ``step-N`` folders that ``latest`` does not name (saves a crash cut short)."""
+    """Remove the ``step-N`` folders that ``latest`` does not name: older checkpoints, and
+    saves a crash cut short."""
     latest = latest_checkpoint(directory)
     keep = None if latest is None else os.path.basename(latest)
     if os.path.isdir(directory):
@@ -106,36 +109,19 @@ def remove_unpublished(directory: str) -> None:
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def write_durably(path: str, write: Callable[[Any], Any]) -> None:
-    """``write(f)`` into a temporary file beside ``path``, fsync, then rename it to ``path``."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def start(directory: str, step: int) -> str:
-    """An empty folder for the checkpoint after ``step`` (what a crashed save of that step
-    left is removed); returns it.
-
-    Raises:
-        ValueError: ``latest`` already names that folder.
-    """
-    folder = folder_for(directory, step)
-    latest = latest_checkpoint(directory)
-    if latest is not None and os.path.abspath(latest) == os.path.abspath(folder):
-        raise ValueError(f"Invalid step: {step!r} (the latest checkpoint is already after it)")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder)
-    return folder
-
-
 def publish(folder: str) -> None:
-    """Name the complete checkpoint ``folder`` in ``latest``, then remove the other folders."""
+    """Name the complete checkpoint ``folder`` in ``latest`` (written atomically: temporary
+    file, fsync, rename), then remove the other folders."""
     directory, name = os.path.split(os.path.abspath(folder))
-    write_durably(os.path.join(directory, LATEST_FILE), lambda f: f.write(name.encode()))
-    for other in os.listdir(directory):
-        if other.startswith("step-") and other != name:
-            shutil.rmtree(os.path.join(directory, other), ignore_errors=True)
+    write_atomic(os.path.join(directory, LATEST_FILE), lambda tmp: _write_text(tmp, name))
+    remove_unpublished(directory)
+
+
+def save_tensors(path: str, obj: Any) -> None:
+    """``torch.save(obj)`` into ``path``, atomically (``distopt.checkpoint.write_atomic``)."""
+    write_atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)

@@ -237,7 +237,7 @@ def save_checkpoint(
     (``_checkpoints.publish``), so a crash at any point leaves it naming the previous
     complete checkpoint. Returns the new folder.
     """
-    folder = _checkpoints.start(directory, step)
+    folder = _checkpoints.folder_for(directory, step)
     opt.save(folder)
     trainer = {
         "step": step,
@@ -246,22 +246,19 @@ def save_checkpoint(
         "lstm_state": lstm_state,
         "options": recorded or {},
     }
-    _checkpoints.write_durably(os.path.join(folder, TRAINER_FILE),
-                               lambda f: torch.save(trainer, f))
+    _checkpoints.save_tensors(os.path.join(folder, TRAINER_FILE), trainer)
     _checkpoints.publish(folder)
     return folder
 
 
 def load_checkpoint(
-    directory: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
+    folder: str, model: SplitLanguageModel, opt: "distopt.DistributedOptimizer",
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler],
 ) -> Tuple[int, Optional[State]]:
-    """Restore the latest checkpoint in ``directory``; returns the step it was taken after and
-    the LSTM state carried into the next step. ``opt.load`` checks every shard (size, CRC-32,
-    parameters) before any owner changes; the weights are put back only after that."""
-    folder = _checkpoints.latest_checkpoint(directory)
-    if folder is None:
-        raise FileNotFoundError(f"Invalid checkpoint: {directory!r} holds no checkpoint")
+    """Restore the checkpoint ``folder`` (a ``step-N`` folder); returns the step it was taken
+    after and the LSTM state carried into the next step. ``opt.load`` checks every shard
+    (size, CRC-32, parameters) before any owner changes; the weights are put back only after
+    that."""
     trainer = torch.load(os.path.join(folder, TRAINER_FILE), weights_only=True)
     opt.load(folder)
     model.load_weights(trainer["weights"])
@@ -322,7 +319,7 @@ def train(options: argparse.Namespace) -> None:
     if options.checkpoint:
         _checkpoints.remove_unpublished(options.checkpoint)
     if options.resume_from:
-        done, state = load_checkpoint(options.checkpoint, model, opt, scheduler)
+        done, state = load_checkpoint(options.resume_from, model, opt, scheduler)
         first_step = done + 1
         print(f"resumed from {options.resume_from} after step {done}", flush=True)
     loss_log = open(options.loss_log, "a", encoding="utf-8") if options.loss_log else None

@@ -85,20 +85,16 @@ def forward(params: List[Tensor], x: Tensor) -> Tensor:
 # ---------------------------------------------------------------- on the server
 
 
-def pull_tally(tally_rref: rpc.RRef) -> Tensor:
-    """RPC target: a view of the tally parameter (see the module docstring)."""
-    tally = tally_rref.local_value()
-    return tally.view_as(tally)
-
-
-def pull(model_rref: rpc.RRef) -> List[Tensor]:
-    """RPC target: views of the model's parameters.
+def pull(model_rref: rpc.RRef, tally_rref: rpc.RRef) -> List[Tensor]:
+    """RPC target: views of the model's parameters, then of the tally (see the module
+    docstring), in one call.
 
     Called inside a distributed autograd context, the trainer receives copies that are tied
     to these parameters: the gradients of its backward pass arrive here. Views, because RPC
     pickles an ``nn.Parameter`` as its detached data, which would cut that tie.
     """
-    return [p.view_as(p) for p in model_rref.local_value().parameters()]
+    tally = tally_rref.local_value()
+    return [p.view_as(p) for p in model_rref.local_value().parameters()] + [tally.view_as(tally)]
 
 
 def held_out_loss(model: nn.Module, options: argparse.Namespace) -> float:
@@ -140,8 +136,7 @@ def checkpoint_barrier(parties: int, folder: Optional[str]) -> torch.futures.Fut
                 "tally": _served["tally"].detach().clone(),
                 "options": _served["options"],
             }
-            _checkpoints.write_durably(os.path.join(folder, SERVER_FILE),
-                                       lambda f: torch.save(state, f))
+            _checkpoints.save_tensors(os.path.join(folder, SERVER_FILE), state)
             _checkpoints.publish(folder)
         except BaseException as exc:  # every trainer gets the error
             error = exc
@@ -262,9 +257,8 @@ def run_trainer(
     for step in range(done + 1, options.steps + 1):
         x, y = synthetic_batch(options, gen, options.batch_size)
         with dist_autograd.context() as ctx:
-            params = rpc.rpc_sync(model_rref.owner(), pull, args=(model_rref,))
+            *params, tally = rpc.rpc_sync(server, pull, args=(model_rref, tally_rref))
             loss = F.mse_loss(forward(params, x), y)
-            tally = rpc.rpc_sync(tally_rref.owner(), pull_tally, args=(tally_rref,))
             dist_autograd.backward(ctx, [loss, -tally.sum()])  # the tally's gradient: -1
             opt.step(ctx)
             tally_opt.step(ctx)
@@ -277,16 +271,16 @@ def run_trainer(
             # while every trainer waits there, between two steps.
             here = _checkpoints.folder_for(options.checkpoint, step)
             opt.save(os.path.join(here, name))
-            _checkpoints.write_durably(os.path.join(here, name, TRAINER_FILE),
-                                       lambda f: torch.save({"generator": gen.get_state()}, f))
+            _checkpoints.save_tensors(os.path.join(here, name, TRAINER_FILE),
+                                      {"generator": gen.get_state()})
             rpc.rpc_sync(server, checkpoint_barrier, args=(options.trainers, here), timeout=0)
             if name == "trainer1":
                 print(f"checkpoint saved to {here} after step {step}", flush=True)
     elapsed = time.perf_counter() - start
-    k = min(10, max(1, len(losses)))
     if not losses:
         return {"steps": 0, "final_loss": float("nan"), "steps_per_s": 0.0,
                 "compiled": opt.is_functional_optim}
+    k = min(10, len(losses))
     return {
         "steps": len(losses),
         "final_loss": sum(losses[-k:]) / k,

@@ -81,7 +81,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     generation = box[0]
     per_rank = opt.sync is not None
     sharded = opt.shard is not None
-    written = []
+    written: Dict[str, int] = {}  # file name -> bytes written
     error = None
     try:
         os.makedirs(path, exist_ok=True)
@@ -93,12 +93,11 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         if per_rank or sharded or opt.rank == 0:
             kind = "shard" if sharded else "state"
             name = f"dp-{generation}-{kind}-rank{opt.rank}.pt"
-            write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
-            written.append(name)
+            written[name] = write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
         if residuals is not None:
             name = f"dp-{generation}-residuals-rank{opt.rank}.pt"
-            write_atomic(os.path.join(path, name), lambda f: torch.save(residuals, f))
-            written.append(name)
+            written[name] = write_atomic(os.path.join(path, name),
+                                         lambda f: torch.save(residuals, f))
     except Exception as exc:  # reported on every rank below
         error = exc
     # A failed collective leaves this generation's files (whether some rank went on to
@@ -113,8 +112,8 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         records = [None] * dist.get_world_size(opt.process_group)
         dist.all_gather_object(
             records,
-            {name: {"bytes": os.path.getsize(os.path.join(path, name)),
-                    "crc32": crc32_of(os.path.join(path, name))} for name in written},
+            {name: {"bytes": size, "crc32": crc32_of(os.path.join(path, name))}
+             for name, size in written.items()},
             group=opt.process_group,
         )
     except Exception as exc:

@@ -1,9 +1,15 @@
-"""Reading what the examples save, to compare two runs' checkpoints exactly."""
+"""Reading what the examples save, to compare two runs' checkpoints exactly
+(``assert_identical``)."""
 import json
 import os
 from typing import Any, Dict, List
 
 import torch
+
+from tests.same import assert_identical
+
+__all__ = ["assert_identical", "contents", "latest_folder", "loss_log", "server_contents",
+           "shards"]
 
 # Keys of a shard that name the save rather than hold state.
 _NAMING = ("file", "generation")
@@ -56,21 +62,3 @@ def server_contents(folder: str, trainers: int) -> Dict[str, Any]:
             "optimizer": shards(sub),
         }
     return out
-
-
-def assert_identical(got: Any, want: Any, where: str = "") -> None:
-    """Equal structure, equal tensors bit for bit (dtype, shape, values)."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        assert torch.equal(got, want), f"{where}: tensors differ"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got, want)
-        for key in want:
-            assert_identical(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_identical(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"

@@ -27,10 +27,16 @@ _WHY_NOT = netns.unavailable()
 
 
 @pytest.fixture
-def hosts() -> Iterator[Callable[[int], netns.Hosts]]:
-    """A factory of test hosts; everything it built is removed when the test ends."""
+def host_tools() -> None:
+    """Skips the test, saying why, on a machine where network namespaces cannot be made
+    (not root, no iproute2): the reason is the machine's, like "no CUDA device"."""
     if _WHY_NOT is not None:
-        pytest.skip(f"no test hosts: {_WHY_NOT}")
+        pytest.skip(f"no test hosts on this machine: {_WHY_NOT}")
+
+
+@pytest.fixture
+def hosts(host_tools) -> Iterator[Callable[[int], netns.Hosts]]:
+    """A factory of test hosts; everything it built is removed when the test ends."""
     built: List[netns.Hosts] = []
     # SIGTERM (a CI time limit, ``timeout``) would end pytest without any teardown and leave
     # the hosts and their processes running: make it an interrupt, as SIGINT is.

@@ -29,6 +29,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from distopt import DistributedOptimizer, DistributedOptimizerError
+from tests.same import identical
 
 NAMES = ["trainer", "owner1", "owner2"]
 SHAPES = [(64, 32), (32,)]
@@ -115,17 +116,6 @@ def scenario_save(directory: str) -> Dict[str, Any]:
     return {"saved": True}
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return (isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(_same(x, y) for x, y in zip(a, b)))
-    return a == b
-
-
 def echo_size(t: torch.Tensor) -> int:
     return t.numel()
 
@@ -149,7 +139,7 @@ def scenario_load(directory: str) -> Dict[str, Any]:
     opt.load(directory)
     expected = torch.load(os.path.join(os.path.dirname(directory), "expected.pt"),
                           weights_only=True)
-    equal = _same(opt.state_dict(), expected)
+    equal = identical(opt.state_dict(), expected)
     opt.save(directory)
     return {"equal": equal, "before": before, "after": sorted(os.listdir(directory))}
 

@@ -37,11 +37,9 @@ def test_rpc_across_a_limited_link_takes_at_least_its_bytes_over_its_rate(hosts,
     assert got["seconds"]["owner1"] < floor, got  # the other link is not limited
 
 
-def test_hosts_are_private_and_removed_whatever_happens():
+def test_hosts_are_private_and_removed_whatever_happens(host_tools):
     """The bridge has no address (the root namespace has no route in); leaving the block by
     an exception kills what runs on the hosts and removes namespaces, links and bridge."""
-    if netns.unavailable():
-        pytest.skip(f"no test hosts: {netns.unavailable()}")
     with pytest.raises(RuntimeError, match="boom"):
         with netns.Hosts(2) as h:
             names, links = list(h.namespaces), [*h.links, h.bridge]
@@ -58,10 +56,8 @@ def test_hosts_are_private_and_removed_whatever_happens():
     assert not set(links) & _links()
 
 
-def test_hosts_left_by_a_killed_run_are_removed_by_the_next(tmp_path):
+def test_hosts_left_by_a_killed_run_are_removed_by_the_next(host_tools, tmp_path):
     """A run killed with SIGKILL cannot tear down; the next ``Hosts`` removes what it left."""
-    if netns.unavailable():
-        pytest.skip(f"no test hosts: {netns.unavailable()}")
     code = ("import json, sys; from tests.hosts import netns; h = netns.Hosts(2); "
             "print(json.dumps([h.namespaces, [*h.links, h.bridge]]), flush=True); "
             "sys.stdin.readline()")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, Threshold, TopK
 from distopt.parallel import compression as compression_module
 from distopt.parallel.sync import partition
+from tests.same import identical
 from tests.parallel.ranks import SMALL_BUCKETS_MB, data, flat_params, loss_of, make_model
 
 
@@ -664,7 +665,7 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
             with open(os.path.join(path, state), "r+b") as f:  # put the byte back
                 f.seek(os.path.getsize(os.path.join(path, state)) // 2)
                 f.write(byte)
-    out["state_unchanged"] = _same_state(resumed.state_dict(), before)
+    out["state_unchanged"] = identical(resumed.state_dict(), before)
     out["state_file"], out["residuals_file"] = state, residuals
     dist.barrier()
     if rank == 0:
@@ -676,17 +677,6 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     except ValueError as exc:
         out["corrupt"] = str(exc)
     return out
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(
-            _same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 # ---------------------------------------------------------------- subgroups
