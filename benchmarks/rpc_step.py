@@ -21,9 +21,21 @@ The floor of a case: a local fused Adam step over the largest share one owner up
 one flat tensor (what flat parameter buffers can reach), plus the round trip of an empty
 TorchScript RPC.
 
-Run: ``python benchmarks/rpc_step.py [--repeats N] [--threads N] [--intra-op-threads N]
-[--markdown]`` (``--intra-op-threads 0``: torch's default threads in all three processes,
-instead of one each); the report
+``--device cuda``: the same cases with every parameter on ``cuda:0``, the one GPU both owners
+share (the trainer uses it for the floor's local step). Only parameters, gradients and
+optimizer state are on the GPU: a set's loss leaves its owner on the CPU and its gradient
+comes back there (autograd's copy on the owner takes it to the GPU), so no CUDA tensor
+crosses RPC and TensorPipe needs no device map (see ``benchmarks/_rpc_world.py``). GPU work
+outlives the RPC that queued it, so each timed step ends with a ``torch.cuda.synchronize()``
+RPC to every owner of the set, in parallel (a TorchScript target, which a busy owner answers
+without the GIL; the owners are synchronized, untimed, before the step starts); the floor
+adds that RPC's idle round trip. The owner-side column is timed from an
+idle GPU to the step's last kernel. The targets are the CPU's and are not applied. This is
+the issue's "DistributedOptimizer step with owners on one GPU": the distopt/torch column.
+
+Run: ``python benchmarks/rpc_step.py [--device cpu|cuda] [--repeats N] [--threads N]
+[--intra-op-threads N] [--markdown]`` (``--intra-op-threads 0``: torch's default threads in
+all three processes, instead of one each); the report
 (with ``--markdown``, markdown only) goes to stdout and ends with the run time, logs and
 warnings go to stderr. ``--repeats 3 --concurrent-steps 10`` gives a rough run in about
 40 s on 2 cores; the defaults take a few minutes.
@@ -54,7 +66,13 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 import distopt  # noqa: E402
 from benchmarks import _rpc_world as world  # noqa: E402
-from benchmarks._machine import free_port, machine  # noqa: E402
+from benchmarks._machine import (  # noqa: E402
+    add_device_argument,
+    check_device,
+    device_clock,
+    free_port,
+    machine,
+)
 
 logger = logging.getLogger("benchmarks.rpc_step")
 
@@ -77,15 +95,27 @@ BUSY_TARGET = 1.5
 
 
 class ParamSets:
-    """Parameter sets created on owners, each known there by a name."""
+    """Parameter sets created on owners, each known there by a name, on ``device`` ("cpu" or
+    "cuda:0")."""
 
-    def __init__(self, tag: str, layout: List[Tuple[str, int, int]], fill: Optional[float] = None):
+    def __init__(self, tag: str, layout: List[Tuple[str, int, int]], fill: Optional[float] = None,
+                 device: str = "cpu"):
         self.names: List[Tuple[str, str]] = []
         self.rrefs: List[rpc.RRef] = []
+        self.device = device
         for owner, count, numel in layout:
             name = f"{tag}@{owner}"
-            self.rrefs += rpc.rpc_sync(owner, world.create, args=(name, count, numel, fill))
+            self.rrefs += rpc.rpc_sync(owner, world.create, args=(name, count, numel, fill, device))
             self.names.append((owner, name))
+
+    def synchronize(self) -> None:
+        """On a GPU, wait until every owner's queued kernels are done (one RPC each, in
+        parallel); nothing on the CPU, where a step is done when its RPC returns."""
+        if self.device == "cpu":
+            return
+        torch.futures.wait_all(
+            [rpc.rpc_async(owner, world.cuda_synchronize, args=(0,)) for owner, _ in self.names]
+        )
 
     def forward_backward(self, ctx: int) -> None:
         """The cheap loss: every element summed; each gradient is ones."""
@@ -109,14 +139,17 @@ def median_ms(samples: Sequence[float]) -> float:
 
 
 def time_steps(lib: type, optim_cls: type, sets: ParamSets, repeats: int, warmup: int = 3) -> float:
-    """Median wall time of ``opt.step(ctx)`` in ms, a fresh context per step."""
+    """Median wall time of ``opt.step(ctx)`` in ms, a fresh context per step (on a GPU, from
+    idle owners until their kernels are done: ``ParamSets.synchronize``)."""
     opt = lib(optim_cls, sets.rrefs, **ADAM)
     samples = []
     for i in range(warmup + repeats):
         with dist_autograd.context() as ctx:
             sets.forward_backward(ctx)
+            sets.synchronize()
             start = time.perf_counter()
             opt.step(ctx)
+            sets.synchronize()
             elapsed = time.perf_counter() - start
         if i >= warmup:
             samples.append(elapsed)
@@ -145,7 +178,8 @@ def owner_side_ms(sets: ParamSets, repeats: int, warmup: int = 3) -> float:
         for i in range(warmup + repeats):
             with dist_autograd.context() as ctx:
                 sets.forward_backward(ctx)
-                seconds = rpc.rpc_sync("owner1", world.timed_owner_step, args=(local, ctx))
+                seconds = rpc.rpc_sync("owner1", world.timed_owner_step,
+                                       args=(local, ctx, sets.device))
             if i >= warmup:
                 samples.append(seconds)
         return median_ms(samples)
@@ -154,18 +188,20 @@ def owner_side_ms(sets: ParamSets, repeats: int, warmup: int = 3) -> float:
         return float("nan")
 
 
-def local_fused_adam_ms(count: int, numel: int, repeats: int) -> float:
-    """Median fused torch.optim.Adam step over ``count`` x ``numel`` elements, in this process."""
-    params = [torch.randn(numel).requires_grad_() for _ in range(count)]
+def local_fused_adam_ms(count: int, numel: int, repeats: int, device: str = "cpu") -> float:
+    """Median fused torch.optim.Adam step over ``count`` x ``numel`` elements on ``device``, in
+    this process (on a GPU, from an idle device until the step's kernels are done)."""
+    params = [torch.randn(numel).to(device).requires_grad_() for _ in range(count)]
     for p in params:
-        p.grad = torch.ones(numel)
+        p.grad = torch.ones(numel, device=device)
     opt = torch.optim.Adam(params, fused=True, **ADAM)
     opt.step()
+    clock = device_clock(torch.device(device))
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         opt.step()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return median_ms(samples)
 
 
@@ -181,10 +217,11 @@ def round_trip_ms(func: Callable[[int], int], repeats: int = 200) -> float:
     return median_ms(samples)
 
 
-def concurrent_run(lib: type, threads: int, steps: int) -> Dict[str, float]:
-    """``threads`` trainers stepping the same parameters of ones with SGD lr=1."""
+def concurrent_run(lib: type, threads: int, steps: int, device: str = "cpu") -> Dict[str, float]:
+    """``threads`` trainers stepping the same parameters of ones with SGD lr=1, on ``device``."""
     count, numel = 64, 1024
-    sets = ParamSets(f"conc-{lib.__module__}", [("owner1", count, numel)], fill=1.0)
+    sets = ParamSets(f"conc-{lib.__module__}", [("owner1", count, numel)], fill=1.0,
+                     device=device)
     opts = [lib(torch.optim.SGD, sets.rrefs, lr=1.0) for _ in range(threads)]
     errors: List[BaseException] = []
     barrier = threading.Barrier(threads + 1)
@@ -206,6 +243,7 @@ def concurrent_run(lib: type, threads: int, steps: int) -> Dict[str, float]:
     start = time.perf_counter()
     for w in workers:
         w.join()
+    sets.synchronize()
     wall = time.perf_counter() - start
     if errors:
         raise errors[0]
@@ -256,8 +294,11 @@ def run(options: argparse.Namespace) -> List[str]:
     """Every measurement; prints the report's lines as they come, and returns them."""
     lines: List[str] = _Report()
     md = options.markdown
+    device = "cuda:0" if options.device == "cuda" else "cpu"
     echo_script = round_trip_ms(world.script_echo)
     echo_python = round_trip_ms(world.python_echo)
+    # On a GPU every timed step ends with this RPC (ParamSets.synchronize); the floor has it.
+    echo_sync = round_trip_ms(world.cuda_synchronize) if device != "cpu" else 0.0
 
     def row(*cells: str) -> None:
         lines.append("| " + " | ".join(cells) + " |" if md else "  ".join(cells))
@@ -275,10 +316,17 @@ def run(options: argparse.Namespace) -> List[str]:
             gap()
 
     say(
-        f"machine: {machine()}; torch {torch.__version__}; "
+        f"machine: {machine(options.device)}; torch {torch.__version__}; "
         f"3 processes, {threads_label(options.intra_op_threads)} each; Adam lr=1e-3; "
         f"medians of {options.repeats} steps"
     )
+    if device != "cpu":
+        say(
+            f"parameters on {device}, shared by both owners; losses and their gradients cross "
+            f"RPC on the CPU; every timed step ends with a torch.cuda.synchronize() RPC to each "
+            f"owner (idle round trip {echo_sync * 1e3:.0f} us, in the floor); CPU targets not "
+            f"applied"
+        )
     say(
         f"empty RPC round trip: TorchScript {echo_script * 1e3:.0f} us, Python "
         f"{echo_python * 1e3:.0f} us"
@@ -294,24 +342,29 @@ def run(options: argparse.Namespace) -> List[str]:
     for case, layout in CASES.items():
         if options.only and case not in options.only:
             continue
-        sets = ParamSets(case, layout)
+        sets = ParamSets(case, layout, device=device)
         ms = {name: try_time_steps(lib, torch.optim.Adam, sets, options.repeats)
               for name, lib in LIBRARIES.items()}
         sets.drop()
         # Fresh parameters: the timed DistributedOptimizer flattened the others, and a
         # parameter that is already a view of a buffer is not flattened again.
-        probe = ParamSets(f"{case}-probe", layout)
+        probe = ParamSets(f"{case}-probe", layout, device=device)
         owner_ms = owner_side_ms(probe, options.repeats)
         probe.drop()
         count, numel = max(((c, n) for _, c, n in layout), key=lambda cn: cn[0] * cn[1])
-        # The floor: one local fused step over that share as one flat tensor, plus an RPC.
-        floor = local_fused_adam_ms(1, count * numel, options.repeats) + echo_script
+        # The floor: one local fused step over that share as one flat tensor, plus an RPC
+        # (and on a GPU the synchronizing RPC that ends every timed step).
+        floor = (local_fused_adam_ms(1, count * numel, options.repeats, device) + echo_script
+                 + echo_sync)
         ratio = ms["distopt"] / ms["torch"]
-        met = "yes" if ratio <= TARGETS[case] else "NO"
+        if device != "cpu":
+            target, met = "n/a", "n/a"
+        else:
+            target, met = f"<= {TARGETS[case]:.2f}", "yes" if ratio <= TARGETS[case] else "NO"
         shape = " + ".join(f"{c}x{n}@{o}" for o, c, n in layout)
         label = f"{case} ({shape})" if md else f"{case:8}"
         row(label, f"{ms['distopt']:10.2f}", f"{ms['torch']:9.2f}", f"{ratio:6.2f}",
-            f"<= {TARGETS[case]:.2f}", f"{floor:9.2f}", f"{owner_ms:9.2f}", met)
+            target, f"{floor:9.2f}", f"{owner_ms:9.2f}", met)
         logger.info("%s done", case)
 
     if not options.only or "concurrent" in options.only:
@@ -320,7 +373,7 @@ def run(options: argparse.Namespace) -> List[str]:
             f"concurrent: {options.threads} trainer threads x {options.concurrent_steps} SGD "
             f"steps (lr=1) on the same 64x1024 ones on owner1"
         )
-        results = {name: concurrent_run(lib, options.threads, options.concurrent_steps)
+        results = {name: concurrent_run(lib, options.threads, options.concurrent_steps, device)
                    for name, lib in LIBRARIES.items()}
         if md:
             row("library", "steps/s", "lost element updates", "% of updates",
@@ -371,7 +424,7 @@ def run(options: argparse.Namespace) -> List[str]:
             ("torch eager", torch_dist_optim.DistributedOptimizer, world.EagerAdam),
         ]
         for case, layout in BUSY_CASES.items():
-            sets = ParamSets(f"busy-{case}", layout)
+            sets = ParamSets(f"busy-{case}", layout, device=device)
             for label, lib, cls in paths:
                 idle, busy = busy_ratio(lib, cls, sets, options.repeats)
                 target = f"<= {BUSY_TARGET}" if label == "distopt" else ""
@@ -399,7 +452,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="set the owners' sys.setswitchinterval (seconds) before the busy-owner runs",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    add_device_argument(parser)
     options = parser.parse_args(argv)
+    check_device(parser, options.device)
     options.only = [s for s in options.only.split(",") if s]
     for name in ("repeats", "threads", "concurrent_steps"):
         if getattr(options, name) < 1:
@@ -438,7 +493,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 proc.kill()
     if options.markdown:
         print()
-    print(f"run time: {time.perf_counter() - start:.0f} s on {machine()}", flush=True)
+    print(f"run time: {time.perf_counter() - start:.0f} s on {machine(options.device)}",
+          flush=True)
 
 
 if __name__ == "__main__":

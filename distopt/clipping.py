@@ -168,33 +168,65 @@ def _context_grads(autograd_ctx_id: int, params: List[Tensor]) -> Tuple[List[int
     return positions, grads
 
 
-def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> List[Tensor]:
+def _by_device(grads: List[Tensor]) -> List[List[int]]:
+    """Positions in ``grads`` grouped by device, in first-seen order (foreach ops take one
+    device per call)."""
+    devices: List[torch.device] = []
+    groups: List[List[int]] = []
+    for k in range(len(grads)):
+        d = grads[k].device
+        found = -1
+        for j in range(len(devices)):
+            if devices[j] == d:
+                found = j
+        if found < 0:
+            devices.append(d)
+            groups.append([k])
+        else:
+            groups[found].append(k)
+    return groups
+
+
+def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> Tensor:
+    """Each gradient's norm, in one float32-or-wider CPU tensor: one copy to the host per
+    device, not one per parameter."""
     dense: List[Tensor] = []
     for g in grads:
         dense.append(g.coalesce().values() if g.is_sparse else g)
-    if foreach:
-        return torch._foreach_norm(dense, norm_type)
-    norms: List[Tensor] = []
-    for g in dense:
-        norms.append(torch.linalg.vector_norm(g, norm_type))
-    return norms
+    out: List[Tensor] = [torch.empty(0) for _ in dense]
+    for group in _by_device(dense):
+        members = [dense[k] for k in group]
+        if foreach:
+            norms = torch._foreach_norm(members, norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in members]
+        on_host = torch.stack(norms).cpu()
+        for j in range(len(group)):
+            out[group[j]] = on_host[j]
+    return torch.stack(out)
 
 
 def _scale(grads: List[Tensor], coef: Tensor, foreach: bool) -> None:
-    if foreach:
-        torch._foreach_mul_(grads, coef)
-    else:
-        for g in grads:
-            g.mul_(coef)
+    """Multiply by ``coef`` (a CPU scalar from the trainer), copied once to each device."""
+    for group in _by_device(grads):
+        members = [grads[k] for k in group]
+        here = coef.to(members[0].device)
+        if foreach:
+            torch._foreach_mul_(members, here)
+        else:
+            for g in members:
+                g.mul_(here)
 
 
 def _clamp(grads: List[Tensor], clip_value: float, foreach: bool) -> None:
-    if foreach:
-        torch._foreach_clamp_min_(grads, -clip_value)
-        torch._foreach_clamp_max_(grads, clip_value)
-    else:
-        for g in grads:
-            g.clamp_(min=-clip_value, max=clip_value)
+    for group in _by_device(grads):
+        members = [grads[k] for k in group]
+        if foreach:
+            torch._foreach_clamp_min_(members, -clip_value)
+            torch._foreach_clamp_max_(members, clip_value)
+        else:
+            for g in members:
+                g.clamp_(min=-clip_value, max=clip_value)
 
 
 def _local_grads(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Tuple[List[int], List[Tensor]]:
@@ -210,11 +242,12 @@ def _local_grads(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Tuple[List[i
 @returns_failure
 def local_grad_norms(
     optimizer_rref: rpc.RRef, autograd_ctx_id: int, norm_type: float, foreach: bool
-) -> Tuple[List[int], List[Tensor]]:
-    """RPC target: each local gradient's ``norm_type``-norm, with its global index."""
+) -> Tuple[List[int], Tensor]:
+    """RPC target: each local gradient's ``norm_type``-norm, with its global index; the
+    norms in one CPU tensor (a GPU owner's needs no TensorPipe device map)."""
     indices, grads = _local_grads(optimizer_rref, autograd_ctx_id)
     if not grads:
-        return [], []
+        return [], torch.empty(0)
     return indices, _compiled(_grad_norms)(grads, norm_type, foreach)
 
 

@@ -164,9 +164,11 @@ class LocalOptimizer(abc.ABC):
     def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
         """The state in torch.optim's format, keyed by global index.
 
-        The caller holds the locks. With ``copy`` the tensors are copies, one consistent
-        snapshot that later steps leave alone; without, they are the optimizer's own, to be
-        written out before the locks are released (no second copy of the state in memory).
+        The caller holds the locks. With ``copy`` the tensors are CPU copies (whatever
+        device the state lives on), one consistent snapshot that later steps leave alone and
+        that RPC can send without a TensorPipe device map; without, they are the optimizer's
+        own, on their devices, to be written out before the locks are released (no second
+        copy of the state in memory).
         """
 
     @abc.abstractmethod
@@ -452,9 +454,9 @@ class CompiledLocalOptimizer(LocalOptimizer):
     def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
         out: Dict[int, Dict[str, Any]] = {}
         for j, indices in enumerate(self.global_indices):
-            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=copy)
+            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=False)
             for k, entry in sd["state"].items():
-                out[indices[k]] = entry
+                out[indices[k]] = _cpu_copies(entry) if copy else entry
         return out
 
     def load_torch_state(
@@ -564,10 +566,7 @@ class EagerLocalOptimizer(LocalOptimizer):
         out: Dict[int, Dict[str, Any]] = {}
         flat = [i for indices in self.global_indices for i in indices]
         for k, entry in self.optim.state_dict()["state"].items():
-            out[flat[k]] = {
-                key: v.clone() if copy and isinstance(v, Tensor) else v
-                for key, v in entry.items()
-            }
+            out[flat[k]] = _cpu_copies(entry) if copy else dict(entry)
         return out
 
     def load_torch_state(
@@ -645,3 +644,11 @@ def _closed_step(autograd_ctx_id: int, *more: Any) -> None:
 #: the trainer's RRef (through its OwnerRRef here) keeps a local optimizer alive.
 live_by_id: "weakref.WeakValueDictionary[int, LocalOptimizer]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
+
+
+def _cpu_copies(entry: Dict[str, Any]) -> Dict[str, Any]:
+    """A state entry with every tensor copied to the CPU (a copy even where it is there)."""
+    return {
+        key: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
+        for key, v in entry.items()
+    }

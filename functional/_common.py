@@ -92,6 +92,40 @@ def lr_of(lr: float, lr_tensor: Optional[Tensor]) -> float:
     return lr
 
 
+def step_lr(
+    lr: float,
+    lr_tensor: Optional[Tensor],
+    capturable: bool,
+    state: Optional[Dict[int, Dict[str, Tensor]]] = None,
+    gradients: Optional[List[Optional[Tensor]]] = None,
+) -> Tuple[float, Optional[Tensor]]:
+    """A step's learning rate, as ``(float, Tensor or None)``.
+
+    A capturable step given a Tensor lr reads that Tensor on its device (a CUDA graph then
+    replays with its current value; a host read could not be recorded at all): it comes back
+    0-dim, beside the float last set. The float is read from the Tensor on the host only when
+    a class whose new state starts at lr (Rprop's ``step_size``, ASGD's ``eta``) passes its
+    ``state`` and the step's ``gradients`` and one of them makes state: the warm-up steps
+    before a capture. Otherwise the float is ``lr_of``'s and the Tensor None.
+    """
+    if capturable and lr_tensor is not None:
+        value = lr
+        if state is not None and gradients is not None and makes_state(state, gradients):
+            value = lr_of(lr, lr_tensor)
+        return value, lr_tensor.reshape(())
+    return lr_of(lr, lr_tensor), None
+
+
+def makes_state(state: Dict[int, Dict[str, Tensor]], gradients: List[Optional[Tensor]]) -> bool:
+    """Whether a step with ``gradients`` gives some parameter its first state."""
+    if len(state) == len(gradients):
+        return False
+    for i in range(len(gradients)):
+        if gradients[i] is not None and i not in state:
+            return True
+    return False
+
+
 def lr_float(lr: Union[float, Tensor]) -> float:
     """The float value of an lr given as a float or a 1-element Tensor."""
     if isinstance(lr, Tensor):
@@ -169,7 +203,9 @@ def checked_state(
     so a bad state leaves the optimizer as it was, and the kernels never see a buffer of the
     wrong size. Tensors laid out unlike the template (a contiguous ``exp_avg`` for a
     transposed parameter) are copied into the template's layout, which the fused kernels
-    need; an empty entry is dropped (no state yet).
+    need, and a scalar (``step``) on the CPU where the class keeps it on the parameter's
+    device, or the other way round, is moved there, as torch.optim's load_state_dict moves
+    it; an empty entry is dropped (no state yet).
 
     Raises:
         ValueError: naming the parameter, the key and both values.
@@ -202,7 +238,13 @@ def checked_state(
             expected = layout
             if key in template:
                 expected = template[key]
-            if not value.is_sparse and value.dim() > 0 and value.stride() != expected.stride():
+            if value.dim() == 0 and expected.dim() == 0:
+                # A scalar goes where this class keeps it (``_kernels.scalar_places``): the
+                # parameter's device (a template on the meta device) or the CPU.
+                place = params[i].device if expected.device.type == "meta" else expected.device
+                if value.device != place:
+                    value = value.to(place)
+            elif not value.is_sparse and value.dim() > 0 and value.stride() != expected.stride():
                 fitted = torch.empty_strided(
                     expected.size(), expected.stride(), dtype=value.dtype, device=value.device
                 )

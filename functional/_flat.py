@@ -196,7 +196,7 @@ def flat_operands(
     state: Dict[int, Dict[str, Tensor]],
     keys: List[str],
     fills: List[float],
-    scalars: List[bool],
+    scalars: List[int],
     pending: List[Tensor],
 ) -> List[List[Tensor]]:
     """The operand set ``[[param], [grad], [state[key]]...]`` that steps buffer ``f`` whole
@@ -213,7 +213,7 @@ def flat_operands(
     # holding the tensors it held.
     if not (
         f.valid and state is f.seen and f.keys == keys
-        and _scalars_agree(f, keys, scalars)
+        and _scalars_agree(f, keys, scalars, False)
         and (torch.jit.is_scripting() or _entries_unchanged(f, state, keys))
     ):
         if not flat_state(f, state, keys, fills, scalars):
@@ -234,7 +234,7 @@ def flat_state(
     state: Dict[int, Dict[str, Tensor]],
     keys: List[str],
     fills: List[float],
-    scalars: List[bool],
+    scalars: List[int],
 ) -> bool:
     """Make the members' state flat, if it can be stepped whole: all members without state
     (each gets fresh entries, views of new buffers filled as ``new_state`` fills them), or
@@ -259,7 +259,8 @@ def flat_state(
         flat: Dict[str, Tensor] = {}
         for k in range(len(keys)):
             if scalars[k]:
-                flat[keys[k]] = torch.full([m], fills[k], dtype=torch.float32, device=f.param.device)
+                device = f.param.device if scalars[k] == 2 else torch.device("cpu")
+                flat[keys[k]] = torch.full([m], fills[k], dtype=torch.float32, device=device)
             else:
                 flat[keys[k]] = torch.full([total], fills[k], dtype=f.param.dtype, device=f.param.device)
         for j in range(m):
@@ -284,7 +285,7 @@ def flat_state(
     f.keys = keys
     f.seen = state
     f.given = [_entry_of(state[i], keys) for i in members]
-    if not _scalars_agree(f, keys, scalars):
+    if not _scalars_agree(f, keys, scalars, True):
         f.valid = False
         return False
     f.valid = True
@@ -316,18 +317,23 @@ def _entries_unchanged(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys:
     return True
 
 
-def _scalars_agree(f: FlatBuffer, keys: List[str], scalars: List[bool]) -> bool:
-    """Whether every member holds the same value of each scalar key (``step``, ...)."""
+def _scalars_agree(f: FlatBuffer, keys: List[str], scalars: List[int], every: bool) -> bool:
+    """Whether every member holds the same value of each scalar key (``step``, ...).
+
+    Reading a GPU buffer is a device synchronisation (and is refused inside a CUDA graph), so
+    those are compared only when ``every`` (when the flat state is built or rebuilt); on the
+    CPU, at every step.
+    """
     for k in range(len(keys)):
         if scalars[k]:
             buf = f.state[keys[k]]
-            if not bool(torch.all(buf == buf[0])):
+            if (every or buf.device.type == "cpu") and not bool(torch.all(buf == buf[0])):
                 return False
     return True
 
 
 def _copied(
-    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[bool]
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[int]
 ) -> Dict[str, Tensor]:
     """New flat buffers holding the members' state entries (which may be views of the
     current ones, so these are not written in place)."""
@@ -359,7 +365,7 @@ def _copied_tensors(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], name: st
 
 
 def _entry_views(
-    f: FlatBuffer, flat: Dict[str, Tensor], j: int, keys: List[str], scalars: List[bool]
+    f: FlatBuffer, flat: Dict[str, Tensor], j: int, keys: List[str], scalars: List[int]
 ) -> Dict[str, Tensor]:
     """Member ``j``'s state entry as views of the flat buffers ``flat``."""
     v = f.views[j]
@@ -375,7 +381,7 @@ def _entry_views(
 
 
 def _entries_are_views(
-    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[bool]
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[int]
 ) -> bool:
     """Whether every member's entries are still the views of ``f.state`` it was given."""
     for j in range(len(f.members)):
@@ -394,9 +400,10 @@ def _entries_are_views(
 
 def spread(groups: Groups) -> None:
     """After the update: copy each flat scalar state's first element (the one the kernel
-    advanced) to every member."""
+    advanced) to every member, on its device (no host synchronisation)."""
     for buf in groups.pending:
-        buf.fill_(buf[0].item())
+        if buf.numel() > 1:
+            buf[1:].copy_(buf[0].expand(buf.numel() - 1))
     groups.pending.clear()
 
 

@@ -5,7 +5,9 @@ and ``_fused_adam`` beside ``Adam``.
 
 A step is: ``gather`` (check every gradient, create missing state, collect the operands of
 each (device, dtype) group) then one update call per group, on the fused kernel where torch
-has a CPU one and on foreach ops otherwise.
+has a CPU one and on foreach ops otherwise. A class built with ``capturable=True`` keeps its
+scalar state on the parameter's device and takes the graph-safe form of its foreach update:
+every step-dependent number computed there from ``step_counts``, none read on the host.
 
 Two TorchScript limits (torch 2.13) are handled here, once:
 
@@ -16,8 +18,8 @@ Two TorchScript limits (torch 2.13) are handled here, once:
   takes the attribute as its first argument.
 - Identical ``zeros_like(p)`` calls are merged by common-subexpression elimination, and
   ``torch.zeros(())`` with constant arguments is folded into one tensor shared by every
-  parameter. ``new_state`` makes every entry from one call site in a loop, scalars on the
-  parameter's device, so no two entries can be merged.
+  parameter. ``new_state`` makes every entry from one call site in a loop, so no two
+  entries can be merged.
 
 Errors: bad values raise in one form, ``ValueError("Invalid gradients[3]: ... (expected ...)")``;
 the ``RuntimeError`` refusals of a gradient kind or a complex parameter keep torch.optim's exact
@@ -31,17 +33,44 @@ from torch import Tensor
 from functional._common import checked_state, dtype_name, layout_name, meta_params
 from functional._flat import Groups, flat_operands, split_flats, spread
 
-def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[bool]) -> Dict[str, Tensor]:
-    """A fresh state entry for ``p``: ``keys[k]`` holds ``fills[k]``, as a 0-dim float32
-    tensor on ``p``'s device where ``scalars[k]`` (``step``, ``mu_product``), else a tensor
-    laid out as ``p`` (torch.optim's ``memory_format=torch.preserve_format``).
+def scalar_places(keys: List[str], scalar_keys: List[str], on_device: bool) -> List[int]:
+    """Where ``new_state`` makes each of ``keys`` (a class's ``scalars``): 0, a tensor laid out
+    as the parameter; for ``scalar_keys`` (``step``, ``mu_product``, ...), a 0-dim float32
+    tensor, 1 on the CPU or 2 on the parameter's device.
 
-    Also each class's template for ``check_state`` (run on a meta parameter, at no cost).
+    torch.optim keeps ``step`` on the CPU, where the foreach paths read it without a device
+    synchronisation, and on the parameter's device when ``fused`` or ``capturable`` (the
+    kernel, or a CUDA graph, reads it there): ``on_device``. State therefore moves between
+    the two unchanged.
+    """
+    places: List[int] = []
+    for key in keys:
+        if key in scalar_keys:
+            places.append(2 if on_device else 1)
+        else:
+            places.append(0)
+    return places
+
+
+def scalar_device(p: Tensor, place: int) -> torch.device:
+    """The device of a 0-dim state entry of ``p`` made at ``place`` (see ``scalar_places``)."""
+    if place == 2:
+        return p.device
+    return torch.device("cpu")
+
+
+def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[int]) -> Dict[str, Tensor]:
+    """A fresh state entry for ``p``: ``keys[k]`` holds ``fills[k]``, as a 0-dim float32
+    tensor where ``scalars[k]`` says (``scalar_places``: the CPU, or ``p``'s device), else a
+    tensor laid out as ``p`` (torch.optim's ``memory_format=torch.preserve_format``).
+
+    Also each class's template for ``check_state`` (run on a meta parameter, at no cost: a
+    scalar template on the meta device stands for the parameter's device).
     """
     entry: Dict[str, Tensor] = {}
     for k in range(len(keys)):
         if scalars[k]:
-            entry[keys[k]] = torch.full((), fills[k], dtype=torch.float32, device=p.device)
+            entry[keys[k]] = torch.full((), fills[k], dtype=torch.float32, device=scalar_device(p, scalars[k]))
         else:
             entry[keys[k]] = torch.full_like(p, fills[k], memory_format=torch.preserve_format)
     return entry
@@ -52,7 +81,7 @@ def check_spec_state(
     state: Dict[int, Dict[str, Tensor]],
     keys: List[str],
     fills: List[float],
-    scalars: List[bool],
+    scalars: List[int],
 ) -> Dict[int, Dict[str, Tensor]]:
     """``state`` checked against the fresh state ``new_state`` would make (``checked_state``)."""
     fresh = {i: new_state(p, keys, fills, scalars) for i, p in meta_params(params, state)}
@@ -76,7 +105,7 @@ def gather(
     gradients: List[Optional[Tensor]],
     keys: List[str],
     fills: List[float],
-    scalars: List[bool],
+    scalars: List[int],
     kinds: str,
     refusal: str,
     fused: bool,
@@ -143,7 +172,7 @@ def _gather_groups(
     gradients: List[Optional[Tensor]],
     keys: List[str],
     fills: List[float],
-    scalars: List[bool],
+    scalars: List[int],
     kinds: str,
     refusal: str,
     fused: bool,
@@ -218,7 +247,7 @@ def _gather_one(
     i: int,
     keys: List[str],
     fills: List[float],
-    scalars: List[bool],
+    scalars: List[int],
     created: List[int],
 ) -> None:
     """``gather``'s slow path for one parameter (a sparse gradient beside dense ones)."""
@@ -302,18 +331,58 @@ def add_sparse_(dense: Tensor, sparse: Tensor, alpha: float = 1.0) -> None:
 
 
 def increment_steps(steps: List[Tensor]) -> None:
-    """Add 1 to every ``step`` tensor.
+    """Add 1 to every ``step`` tensor (all on one device: ``gather`` groups by device).
 
-    A Tensor operand, not the number 1: with a number, foreach ops on CPU 0-dim tensors wrap
-    it into a new tensor once per element (measured: 1,000 steps, 1.5 ms instead of 0.36 ms,
-    more than a fused Adam step over the same parameters).
+    On the CPU a Tensor operand, not the number 1: with a number, foreach ops on CPU 0-dim
+    tensors wrap it into a new tensor once per element (measured: 1,000 steps, 1.5 ms instead
+    of 0.36 ms, more than a fused Adam step over the same parameters). On a GPU the number:
+    a CPU tensor operand there sends the foreach op down its per-tensor path.
     """
-    torch._foreach_add_(steps, torch.ones((), dtype=torch.float32), alpha=1.0)
+    if len(steps) == 0:
+        return
+    if steps[0].device.type == "cpu":
+        torch._foreach_add_(steps, torch.ones((), dtype=torch.float32), alpha=1.0)
+    else:
+        torch._foreach_add_(steps, 1.0)
 
 
 def step_values(steps: List[Tensor]) -> List[float]:
     """The step counts as floats, read once each (the foreach paths' per-tensor sizes)."""
     return [float(s.item()) for s in steps]
+
+
+def step_counts(steps: List[Tensor]) -> Tensor:
+    """The step counts as one 1-D float32 tensor on their device (``gather`` groups by device).
+
+    The capturable updates compute every step-dependent number (bias corrections, step
+    sizes, NAdam's momentum, ASGD's eta and mu) from it with tensor ops, and hand it back
+    per parameter as 0-dim foreach operands (``unbind``): nothing is read on the host, where
+    each read of a GPU tensor is a device synchronisation and a CUDA graph cannot record one.
+    On the CPU the numbers are those of ``step_values``' float path to float32 rounding.
+    """
+    return torch.stack(steps)
+
+
+def lr_scaled(x: Tensor, lr: float, lr_t: Optional[Tensor]) -> Tensor:
+    """``x * lr``, by the Tensor lr where a capturable step has one (``step_lr``), else by the
+    float."""
+    if lr_t is None:
+        return x * lr
+    return x * lr_t
+
+
+def adam_step_sizes(t: Tensor, beta1: float, lr: float, lr_t: Optional[Tensor]) -> Tensor:
+    """Adam's bias-corrected step size ``-lr / (1 - beta1 ** t)`` for each step count of ``t``
+    (``step_counts``), on its device; Adam's, Adamax's and RAdam's capturable updates."""
+    return lr_scaled(1.0 / (beta1 ** t - 1.0), lr, lr_t)
+
+
+def descend_(params: List[Tensor], updates: List[Tensor], lr: float, lr_t: Optional[Tensor]) -> None:
+    """``params -= lr * updates``; a Tensor lr (``step_lr``) is read on its device."""
+    if lr_t is None:
+        torch._foreach_add_(params, updates, alpha=-lr)
+    else:
+        torch._foreach_sub_(params, torch._foreach_mul(updates, lr_t))
 
 
 def signed(grads: List[Tensor], maximize: bool) -> List[Tensor]:
@@ -329,13 +398,18 @@ def decayed(
     weight_decay: float,
     lr: float,
     decoupled: bool,
+    lr_t: Optional[Tensor] = None,
 ) -> List[Tensor]:
     """Apply weight decay: to the parameters in place when ``decoupled`` (AdamW's
-    ``p *= 1 - lr * wd``), else to a new gradient list (``g + wd * p``). The gradients to use."""
+    ``p *= 1 - lr * wd``, by the Tensor lr ``lr_t`` of a capturable step where it has one),
+    else to a new gradient list (``g + wd * p``). The gradients to use."""
     if weight_decay == 0.0:
         return grads
     if decoupled:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        if lr_t is None:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        else:
+            torch._foreach_mul_(params, 1.0 - lr_t * weight_decay)
         return grads
     return torch._foreach_add(grads, params, alpha=weight_decay)
 

@@ -16,17 +16,19 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     scalar,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    scalar_places,
     check_spec_state,
     decayed,
+    descend_,
     gather,
     increment_steps,
     no_operands,
@@ -42,8 +44,14 @@ def adadelta_update(
     maximize: bool,
     weight_decay: float,
     eps: float,
+    lr_t: Optional[Tensor],
 ) -> None:
-    """One Adadelta step over ``gather``'s operands ``[params, grads, step, square_avg, acc_delta]``."""
+    """One Adadelta step over ``gather``'s operands ``[params, grads, step, square_avg,
+    acc_delta]``.
+
+    Nothing is read on the host: the step is graph-safe as it is, and with ``lr_t``
+    (``step_lr``'s Tensor lr of a capturable step) reads the lr on the device too.
+    """
     params, grads, square_avgs, acc_deltas, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
     if len(params) == 0:
         return
@@ -60,7 +68,7 @@ def adadelta_update(
     torch._foreach_mul_(deltas, grads)
     torch._foreach_mul_(acc_deltas, rho)
     torch._foreach_addcmul_(acc_deltas, deltas, deltas, value=1.0 - rho)
-    torch._foreach_add_(params, deltas, alpha=-lr)
+    descend_(params, deltas, lr, lr_t)
 
 
 class FunctionalAdadelta:
@@ -87,7 +95,9 @@ class FunctionalAdadelta:
         eps: term added inside the square roots for numerical stability.
         weight_decay: L2 penalty.
         foreach: accepted for compatibility; the foreach kernels are always used.
-        capturable: accepted for compatibility (CUDA-graph capture has no CPU meaning).
+        capturable: keep ``step`` on the parameter's device, and read a Tensor lr there
+            (CUDA graphs: a replayed graph sees changes to it). The update reads no tensor
+            on the host either way.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
 
@@ -129,7 +139,7 @@ class FunctionalAdadelta:
         self.groups = layout(params)
         self.keys = ['step', 'square_avg', 'acc_delta']
         self.fills = [0.0, 0.0, 0.0]
-        self.scalars = [True, False, False]
+        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -172,7 +182,7 @@ class FunctionalAdadelta:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -180,5 +190,7 @@ class FunctionalAdadelta:
                 "Adadelta does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                adadelta_update(self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps)
+                adadelta_update(
+                    self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps, lr_t
+                )
             release(self.live, self.groups)

@@ -52,7 +52,8 @@ def machine_epsilon(dtype: torch.dtype) -> float:
 def adafactor_state(p: Tensor) -> Dict[str, Tensor]:
     """A fresh state entry for ``p`` (also the template ``check_state`` compares with):
     factored row and column variances for matrices, a full one otherwise."""
-    step = torch.full((), 0.0, dtype=torch.float32, device=p.device)
+    # On the CPU, as torch.optim's Adafactor keeps it (it has no fused or capturable mode).
+    step = torch.full((), 0.0, dtype=torch.float32, device=torch.device("cpu"))
     if p.dim() > 1:
         row_shape = list(p.shape)
         row_shape[-1] = 1

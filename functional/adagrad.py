@@ -1,4 +1,5 @@
 """Adagrad (per-coordinate step sizes from summed squared gradients), as torch.optim.Adagrad."""
+import inspect
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -27,6 +28,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
+    scalar_places,
     add_sparse_,
     check_spec_state,
     copy_back,
@@ -42,6 +44,35 @@ from functional._kernels import (
     step_values,
 )
 
+
+
+def _torch_fuses_cuda() -> bool:
+    """Whether torch.optim.Adagrad takes ``fused=True`` for CUDA parameters: torch 2.13 does,
+    2.11 refuses them (its fused-device check is called with ``cuda_unsupported=True``)."""
+    try:
+        source = inspect.getsource(torch.optim.Adagrad)
+    except (OSError, TypeError):
+        return True
+    return "cuda_unsupported=True" not in source
+
+
+def _fused_anywhere(params: List[Tensor]) -> bool:
+    """``fused_devices_ok`` where torch fuses Adagrad on every device it has a kernel for."""
+    return True
+
+
+def _fused_off_cuda(params: List[Tensor]) -> bool:
+    """``fused_devices_ok`` where torch fuses Adagrad on the CPU only: no CUDA parameter."""
+    for p in params:
+        if p.device.type == "cuda":
+            return False
+    return True
+
+
+#: Whether the fused kernel may step every one of a list of parameters, as torch.optim.Adagrad
+#: of the installed torch would. Chosen at import, before anything is compiled (TorchScript
+#: resolves the name then and takes no module-level bool).
+fused_devices_ok = _fused_anywhere if _torch_fuses_cuda() else _fused_off_cuda
 
 def adagrad_update(
     ops: List[List[Tensor]],
@@ -161,6 +192,11 @@ class FunctionalAdagrad:
             check_at_least("initial_accumulator_value", initial_accumulator_value, 0.0)
             check_at_least("eps", eps, 0.0)
             check_fused(params, fused, differentiable)
+            if fused and not fused_devices_ok(params):
+                raise RuntimeError(
+                    f"Invalid fused: True with CUDA parameters (torch {torch.__version__}'s "
+                    f"Adagrad runs fused on the CPU only; expected fused=None or False)"
+                )
             check_flags(foreach, fused)
         self.params = params
         self.lr = lr_float(lr)
@@ -173,11 +209,11 @@ class FunctionalAdagrad:
         self.maximize = bool(maximize)  # the fused kernel takes no int or None
         self.differentiable = bool(differentiable)
         self.fused = optional_flag(fused)
-        self.use_fused = use_fused_kernel(foreach, fused)
+        self.use_fused = use_fused_kernel(foreach, fused) and fused_devices_ok(params)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
         self.keys = ["step", "sum"]
-        self.scalars = [True, False]
+        self.scalars = scalar_places(self.keys, ["step"], self.use_fused)
         self.live = no_operands()
         # torch.optim.Adagrad creates every parameter's state in its constructor.
         for i in range(len(params)):

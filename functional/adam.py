@@ -25,17 +25,19 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     pair,
     scalar,
+    step_lr,
     unknown_hyperparameter,
     use_fused_kernel,
 )
 from functional._flat import layout
 from functional._kernels import (
+    adam_step_sizes,
+    scalar_places,
     check_spec_state,
     copy_back,
     decayed,
@@ -46,6 +48,7 @@ from functional._kernels import (
     numbers,
     release,
     signed,
+    step_counts,
     step_values,
 )
 
@@ -69,9 +72,12 @@ def adam_update(
     maximize: bool,
     decoupled_weight_decay: bool,
     fused: bool,
+    capturable: bool,
+    lr_t: Optional[Tensor],
 ) -> None:
     """One Adam step over ``gather``'s operands ``[params, grads, steps, exp_avgs,
-    exp_avg_sqs, (max_exp_avg_sqs)]``, on the fused kernel or on foreach ops."""
+    exp_avg_sqs, (max_exp_avg_sqs)]``, on the fused kernel or on foreach ops (their
+    graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
     params, grads, steps, exp_avgs, exp_avg_sqs = ops[0], ops[1], ops[2], ops[3], ops[4]
     max_exp_avg_sqs = ops[5] if amsgrad else torch.jit.annotate(List[Tensor], [])
     if len(params) == 0:
@@ -96,10 +102,23 @@ def adam_update(
         return
     grads = signed(grads, maximize)
     increment_steps(steps)
-    grads = decayed(params, grads, weight_decay, lr, decoupled_weight_decay)
+    grads = decayed(params, grads, weight_decay, lr, decoupled_weight_decay, lr_t)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    if capturable:
+        # theta -= m / ((sqrt(v / (1 - beta2^t)) + eps) / step_size), all on the device.
+        t = step_counts(steps)
+        if amsgrad:
+            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+            denom = torch._foreach_sqrt(max_exp_avg_sqs)
+        else:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, (1.0 - beta2 ** t).sqrt().unbind(0))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_div_(denom, adam_step_sizes(t, beta1, lr, lr_t).unbind(0))
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        return
     ts = step_values(steps)
     step_sizes = numbers([-(lr / (1.0 - beta1 ** t)) for t in ts])
     bias_correction2_sqrts = numbers([(1.0 - beta2 ** t) ** 0.5 for t in ts])
@@ -144,8 +163,10 @@ class FunctionalAdam:
         amsgrad: use the maximum of past squared-gradient averages (AMSGrad).
         foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
-        capturable: accepted for compatibility; state always lives where torch.optim keeps
-            it without CUDA graphs.
+        capturable: make the foreach step graph-safe (CUDA graphs): ``step`` lives on the
+            parameter's device and every step-dependent number is computed there, none read
+            on the host; a Tensor lr is read there too, so that a replayed graph sees changes
+            to it. The fused kernel keeps ``step`` on the device either way.
         differentiable: accepted for compatibility; steps never record autograd history.
         fused: ``False`` selects the foreach kernels; otherwise the fused kernel is used.
         decoupled_weight_decay: decay the parameters directly, as AdamW does.
@@ -200,7 +221,7 @@ class FunctionalAdam:
         self.name = "Adam"  # "AdamW" when built by FunctionalAdamW
         self.keys = adam_keys(self.amsgrad)
         self.fills = [0.0 for _ in self.keys]
-        self.scalars = [k == "step" for k in self.keys]
+        self.scalars = scalar_places(self.keys, ["step"], self.capturable or self.use_fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
         self.live = no_operands()
@@ -246,7 +267,9 @@ class FunctionalAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        # The fused kernel takes a float lr; a capturable foreach step reads a Tensor lr on
+        # its device.
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable and not self.use_fused)
         with torch.no_grad():
             fits = gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -258,7 +281,7 @@ class FunctionalAdam:
                 adam_update(
                     self.live[g], fits[g], lr, self.betas[0], self.betas[1], self.eps,
                     self.weight_decay, self.amsgrad, self.maximize,
-                    self.decoupled_weight_decay, self.use_fused,
+                    self.decoupled_weight_decay, self.use_fused, self.capturable, lr_t,
                 )
             release(self.live, self.groups)
 

@@ -10,16 +10,18 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     pair,
     scalar,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    adam_step_sizes,
+    scalar_places,
     check_spec_state,
     decayed,
     gather,
@@ -27,6 +29,7 @@ from functional._kernels import (
     no_operands,
     release,
     signed,
+    step_counts,
 )
 
 
@@ -37,8 +40,11 @@ def adamax_update(
     maximize: bool,
     weight_decay: float,
     eps: float,
+    capturable: bool,
+    lr_t: Optional[Tensor],
 ) -> None:
-    """One Adamax step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_inf]``."""
+    """One Adamax step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_inf]``
+    (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
     params, grads, exp_avgs, exp_infs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
     if len(params) == 0:
         return
@@ -52,6 +58,11 @@ def adamax_update(
     norms = torch._foreach_abs(grads)
     torch._foreach_add_(norms, eps)
     torch._foreach_maximum_(exp_infs, norms)
+    if capturable:
+        # theta -= m / (u / step_size), the step sizes computed on the device.
+        sizes = adam_step_sizes(step_counts(steps), beta1, lr, lr_t)
+        torch._foreach_addcdiv_(params, exp_avgs, torch._foreach_div(exp_infs, sizes.unbind(0)))
+        return
     # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
     step_sizes: List[Union[int, float, complex]] = []
     for s in steps:
@@ -84,8 +95,10 @@ class FunctionalAdamax:
         foreach: accepted for compatibility; the foreach kernels are always used.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
-        capturable: accepted for compatibility; state always lives where torch.optim keeps
-            it without CUDA graphs.
+        capturable: make the step graph-safe (CUDA graphs): ``step`` lives on the
+            parameter's device and every step-dependent number is computed there, none read
+            on the host; a Tensor lr is read there too, so that a replayed graph sees changes
+            to it.
 
     Raises:
         ValueError: for a negative lr, eps or weight_decay, or a beta outside [0, 1).
@@ -125,7 +138,7 @@ class FunctionalAdamax:
         self.groups = layout(params)
         self.keys = ['step', 'exp_avg', 'exp_inf']
         self.fills = [0.0, 0.0, 0.0]
-        self.scalars = [True, False, False]
+        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -169,7 +182,7 @@ class FunctionalAdamax:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -177,5 +190,8 @@ class FunctionalAdamax:
                 "Adamax does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                adamax_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps)
+                adamax_update(
+                    self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps,
+                    self.capturable, lr_t,
+                )
             release(self.live, self.groups)

@@ -10,22 +10,25 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     scalar,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    scalar_places,
     check_spec_state,
     decayed,
     gather,
     increment_steps,
+    lr_scaled,
     no_operands,
     release,
     signed,
+    step_counts,
 )
 
 
@@ -37,20 +40,27 @@ def asgd_update(
     weight_decay: float,
     alpha: float,
     t0: float,
+    capturable: bool,
+    lr_t: Optional[Tensor],
 ) -> None:
-    """One ASGD step over ``gather``'s operands ``[params, grads, step, eta, mu, ax]``."""
+    """One ASGD step over ``gather``'s operands ``[params, grads, step, eta, mu, ax]`` (the
+    graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
     params, grads, axs, mus, etas, steps = ops[0], ops[1], ops[5], ops[4], ops[3], ops[2]
     if len(params) == 0:
         return
     grads = signed(grads, maximize)
     increment_steps(steps)
     grads = decayed(params, grads, weight_decay, lr, False)
-    eta0 = float(etas[0].item())
-    mu0 = float(mus[0].item())
-    uniform = True
-    for j in range(1, len(etas)):
-        if float(etas[j].item()) != eta0 or float(mus[j].item()) != mu0:
-            uniform = False
+    eta0 = 0.0
+    mu0 = 0.0
+    # A capturable step reads no eta or mu on the host: the per-tensor form.
+    uniform = not capturable
+    if uniform:
+        eta0 = float(etas[0].item())
+        mu0 = float(mus[0].item())
+        for j in range(1, len(etas)):
+            if float(etas[j].item()) != eta0 or float(mus[j].item()) != mu0:
+                uniform = False
     if uniform:
         # The usual case (every parameter has taken as many steps): scalar kernels, in
         # torch.optim's per-tensor order, and a plain copy while the average is the last
@@ -69,6 +79,14 @@ def asgd_update(
         torch._foreach_addcmul_(params, decayed_grads, etas, value=-1.0)
         diff = torch._foreach_sub(params, axs)
         torch._foreach_addcmul_(axs, diff, mus)
+    if capturable:
+        # The next eta = lr / (1 + lambd * lr * t) ** alpha and mu = 1 / max(1, t - t0) of
+        # every parameter, computed on the device.
+        t = step_counts(steps)
+        eta = lr_scaled((1.0 + lr_scaled(t * lambd, lr, lr_t)).pow(alpha).reciprocal(), lr, lr_t)
+        torch._foreach_copy_(etas, eta.unbind(0))
+        torch._foreach_copy_(mus, (t - t0).clamp(min=1.0).reciprocal().unbind(0))
+        return
     for j in range(len(steps)):
         step_t = steps[j]
         # torch.optim computes eta from the float32 step tensor, and lr / x as
@@ -108,7 +126,11 @@ class FunctionalASGD:
         foreach: accepted for compatibility; the foreach kernels are always used.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
-        capturable: accepted for compatibility (CUDA-graph capture has no CPU meaning).
+        capturable: make the step graph-safe (CUDA graphs): the next eta and mu are
+            computed on the parameter's device and no tensor is read on the host (without
+            it, each step reads eta, mu and step there); a Tensor lr is read on the device
+            too, so that a replayed graph sees changes to it. (``step``, ``eta`` and ``mu``
+            live on the device either way, as torch.optim keeps them.)
 
     Raises:
         ValueError: for a negative lr or weight_decay.
@@ -148,7 +170,8 @@ class FunctionalASGD:
         self.groups = layout(params)
         self.keys = ['step', 'eta', 'mu', 'ax']
         self.fills = [0.0, 0.0, 1.0, 0.0]
-        self.scalars = [True, True, True, False]
+        # torch.optim.ASGD keeps all three on the parameter's device, capturable or not.
+        self.scalars = scalar_places(self.keys, ["step", "eta", "mu"], True)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -195,12 +218,17 @@ class FunctionalASGD:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        # A new eta starts at lr: a capturable step reads a Tensor lr on the host only for
+        # those.
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable, self.state, gradients)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
                 [0.0, lr, 1.0, 0.0], self.scalars, "dense", "ASGD does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                asgd_update(self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha, self.t0)
+                asgd_update(
+                    self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha,
+                    self.t0, self.capturable, lr_t,
+                )
             release(self.live, self.groups)

@@ -168,7 +168,7 @@ class FunctionalMuon:
         self.groups = layout(params)
         self.keys = ["momentum_buffer"]
         self.fills = [0.0]
-        self.scalars = [False]
+        self.scalars = [0]
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:

@@ -10,23 +10,33 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     pair,
     scalar,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    scalar_places,
     check_spec_state,
+    decayed,
     gather,
     increment_steps,
+    lr_scaled,
     no_operands,
     release,
     signed,
+    step_counts,
 )
+
+
+def nadam_momentum(t: Tensor, beta1: float, momentum_decay: float) -> Tensor:
+    """NAdam's momentum coefficient ``beta1 * (1 - 0.96 ** (t * momentum_decay) / 2)`` for
+    each step count of ``t`` (``step_counts``), on its device."""
+    return beta1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
 
 
 def nadam_update(
@@ -38,23 +48,38 @@ def nadam_update(
     decoupled_weight_decay: bool,
     momentum_decay: float,
     eps: float,
+    capturable: bool,
+    lr_t: Optional[Tensor],
 ) -> None:
-    """One NAdam step over ``gather``'s operands ``[params, grads, step, mu_product, exp_avg, exp_avg_sq]``."""
+    """One NAdam step over ``gather``'s operands ``[params, grads, step, mu_product, exp_avg,
+    exp_avg_sq]`` (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
     params, grads, exp_avgs, exp_avg_sqs, mu_products, steps = ops[0], ops[1], ops[4], ops[5], ops[3], ops[2]
     if len(params) == 0:
         return
     beta1, beta2 = betas
     grads = signed(grads, maximize)
     increment_steps(steps)
-    if weight_decay != 0.0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = decayed(params, grads, weight_decay, lr, decoupled_weight_decay, lr_t)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
+    if capturable:
+        # The same update, its coefficients computed on the device: one division by
+        # denom of grad_size * g + exp_avg_size * m.
+        t = step_counts(steps)
+        mu = nadam_momentum(t, beta1, momentum_decay)
+        mu_next = nadam_momentum(t + 1.0, beta1, momentum_decay)
+        torch._foreach_mul_(mu_products, mu.unbind(0))
+        mu_product = torch.stack(mu_products)
+        torch._foreach_div_(denom, (1.0 - beta2 ** t).sqrt().unbind(0))
+        torch._foreach_add_(denom, eps)
+        grad_sizes = lr_scaled((mu - 1.0) / (1.0 - mu_product), lr, lr_t)
+        exp_avg_sizes = lr_scaled(mu_next / (mu_product * mu_next - 1.0), lr, lr_t)
+        numerators = torch._foreach_mul(grads, grad_sizes.unbind(0))
+        torch._foreach_addcmul_(numerators, exp_avgs, exp_avg_sizes.unbind(0))
+        torch._foreach_addcdiv_(params, numerators, denom)
+        return
     # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
     bias_correction2_sqrts: List[Union[int, float, complex]] = []
     mus: List[Union[int, float, complex]] = []
@@ -116,8 +141,10 @@ class FunctionalNAdam:
         decoupled_weight_decay: decay the parameters directly, as AdamW does (NAdamW).
         foreach: accepted for compatibility; the foreach kernels are always used.
         maximize: maximize the objective instead of minimizing it.
-        capturable: accepted for compatibility; state always lives where torch.optim keeps
-            it without CUDA graphs.
+        capturable: make the step graph-safe (CUDA graphs): ``step`` and ``mu_product``
+            live on the parameter's device and every step-dependent number is computed
+            there, none read on the host; a Tensor lr is read there too, so that a replayed
+            graph sees changes to it.
         differentiable: accepted for compatibility; steps never record autograd history.
 
     Raises:
@@ -164,7 +191,7 @@ class FunctionalNAdam:
         self.groups = layout(params)
         self.keys = ['step', 'mu_product', 'exp_avg', 'exp_avg_sq']
         self.fills = [0.0, 1.0, 0.0, 0.0]
-        self.scalars = [True, True, False, False]
+        self.scalars = scalar_places(self.keys, ["step", "mu_product"], self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -213,7 +240,7 @@ class FunctionalNAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -221,5 +248,9 @@ class FunctionalNAdam:
                 "NAdam does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                nadam_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.decoupled_weight_decay, self.momentum_decay, self.eps)
+                nadam_update(
+                    self.live[s], lr, self.betas, self.maximize, self.weight_decay,
+                    self.decoupled_weight_decay, self.momentum_decay, self.eps,
+                    self.capturable, lr_t,
+                )
             release(self.live, self.groups)

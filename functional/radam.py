@@ -10,45 +10,39 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     pair,
     scalar,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    adam_step_sizes,
+    scalar_places,
     check_spec_state,
+    decayed,
     gather,
     increment_steps,
     no_operands,
     release,
     signed,
+    step_counts,
 )
 
 
-def radam_update(
-    ops: List[List[Tensor]],
-    lr: float,
-    betas: Tuple[float, float],
-    maximize: bool,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    eps: float,
-) -> None:
-    """One RAdam step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_avg_sq]``."""
-    params, grads, exp_avgs, exp_avg_sqs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
-    if len(params) == 0:
-        return
-    beta1, beta2 = betas
-    increment_steps(steps)
-    grads = signed(grads, maximize)
+def radam_sizes_on_host(
+    steps: List[Tensor], beta1: float, beta2: float, lr: float
+) -> Tuple[List[Union[int, float, complex]], List[Union[int, float, complex]]]:
+    """Per parameter: the step size of the adaptive term (0 while rho_t <= 5, which sends
+    that term to zero in ``radam_update``) and of the plain momentum term (0 once rho_t > 5),
+    from the step counts read on the host.
+
+    Foreach ScalarList overloads take TorchScript's `number`, not List[float].
+    """
     rho_inf = 2.0 / (1.0 - beta2) - 1.0
-    # Per parameter: the step size of the adaptive term (0 while rho_t <= 5, which sends
-    # that term to zero below) and of the plain momentum term (0 once rho_t > 5).
-    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
     adaptive_sizes: List[Union[int, float, complex]] = []
     plain_sizes: List[Union[int, float, complex]] = []
     for s in steps:
@@ -64,11 +58,44 @@ def radam_update(
         bias_correction1 = 1.0 - beta1 ** t
         plain_sizes.append(-(lr * unrectified / bias_correction1))
         adaptive_sizes.append(-(((1.0 - beta2 ** t) ** 0.5) * (lr * rect / bias_correction1)))
-    if weight_decay != 0.0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    return adaptive_sizes, plain_sizes
+
+
+def radam_sizes_on_device(
+    t: Tensor, beta1: float, beta2: float, lr: float, lr_t: Optional[Tensor]
+) -> List[Tensor]:
+    """``radam_sizes_on_host``'s ``[adaptive, plain]`` step sizes for each step count of ``t``
+    (``step_counts``), computed on its device (capturable steps)."""
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    decay = beta2 ** t
+    rho_t = rho_inf - 2.0 * t * decay / (1.0 - decay)
+    # Where rho_t <= 5 the ratio may be negative; its root is masked out.
+    ratio = (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+    rect = ratio.sqrt().masked_fill(rho_t <= 5.0, 0.0)
+    sizes = adam_step_sizes(t, beta1, lr, lr_t)
+    return [sizes * rect * (1.0 - decay).sqrt(), sizes.masked_fill(rect > 0.0, 0.0)]
+
+
+def radam_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    eps: float,
+    capturable: bool,
+    lr_t: Optional[Tensor],
+) -> None:
+    """One RAdam step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_avg_sq]``
+    (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    if len(params) == 0:
+        return
+    beta1, beta2 = betas
+    increment_steps(steps)
+    grads = signed(grads, maximize)
+    grads = decayed(params, grads, weight_decay, lr, decoupled_weight_decay, lr_t)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
@@ -76,9 +103,16 @@ def radam_update(
     # adaptive size gives an infinity whose reciprocal is the wanted zero.
     factors = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(factors, eps)
-    torch._foreach_div_(factors, adaptive_sizes)
-    torch._foreach_reciprocal_(factors)
-    torch._foreach_add_(factors, plain_sizes)
+    if capturable:
+        sizes = radam_sizes_on_device(step_counts(steps), beta1, beta2, lr, lr_t)
+        torch._foreach_div_(factors, sizes[0].unbind(0))
+        torch._foreach_reciprocal_(factors)
+        torch._foreach_add_(factors, sizes[1].unbind(0))
+    else:
+        adaptive_sizes, plain_sizes = radam_sizes_on_host(steps, beta1, beta2, lr)
+        torch._foreach_div_(factors, adaptive_sizes)
+        torch._foreach_reciprocal_(factors)
+        torch._foreach_add_(factors, plain_sizes)
     torch._foreach_addcmul_(params, exp_avgs, factors)
 
 
@@ -119,8 +153,10 @@ class FunctionalRAdam:
         decoupled_weight_decay: decay the parameters directly, as AdamW does (RAdamW).
         foreach: accepted for compatibility; the foreach kernels are always used.
         maximize: maximize the objective instead of minimizing it.
-        capturable: accepted for compatibility; state always lives where torch.optim keeps
-            it without CUDA graphs.
+        capturable: make the step graph-safe (CUDA graphs): ``step`` lives on the
+            parameter's device and every step-dependent number is computed there, none read
+            on the host; a Tensor lr is read there too, so that a replayed graph sees changes
+            to it.
         differentiable: accepted for compatibility; steps never record autograd history.
 
     Raises:
@@ -163,7 +199,7 @@ class FunctionalRAdam:
         self.groups = layout(params)
         self.keys = ['step', 'exp_avg', 'exp_avg_sq']
         self.fills = [0.0, 0.0, 0.0]
-        self.scalars = [True, False, False]
+        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -207,7 +243,7 @@ class FunctionalRAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -215,5 +251,8 @@ class FunctionalRAdam:
                 "RAdam does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                radam_update(self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.decoupled_weight_decay, self.eps)
+                radam_update(
+                    self.live[s], lr, self.betas, self.maximize, self.weight_decay,
+                    self.decoupled_weight_decay, self.eps, self.capturable, lr_t,
+                )
             release(self.live, self.groups)

@@ -10,17 +10,19 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     scalar,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    scalar_places,
     check_spec_state,
     decayed,
+    descend_,
     gather,
     increment_steps,
     no_operands,
@@ -48,9 +50,14 @@ def rmsprop_update(
     centered: bool,
     eps: float,
     momentum: float,
+    lr_t: Optional[Tensor],
 ) -> None:
     """One RMSprop step over ``gather``'s operands ``[params, grads, steps, square_avgs,
-    (momentum_buffers with momentum), (grad_avgs when centered)]`` (``rmsprop_keys``)."""
+    (momentum_buffers with momentum), (grad_avgs when centered)]`` (``rmsprop_keys``).
+
+    Nothing is read on the host: the step is graph-safe as it is, and with ``lr_t``
+    (``step_lr``'s Tensor lr of a capturable step) reads the lr on the device too.
+    """
     params, grads, steps, square_avgs = ops[0], ops[1], ops[2], ops[3]
     bufs = ops[4] if momentum > 0.0 else params[:0]
     grad_avgs = ops[len(ops) - 1] if centered else params[:0]
@@ -71,9 +78,12 @@ def rmsprop_update(
     if momentum > 0.0:
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_addcdiv_(bufs, grads, avg)
-        torch._foreach_add_(params, bufs, alpha=-lr)
-    else:
+        descend_(params, bufs, lr, lr_t)
+    elif lr_t is None:
         torch._foreach_addcdiv_(params, grads, avg, value=-lr)
+    else:
+        torch._foreach_div_(avg, lr_t)
+        torch._foreach_addcdiv_(params, grads, avg, value=-1.0)
 
 
 class FunctionalRMSprop:
@@ -106,7 +116,9 @@ class FunctionalRMSprop:
         momentum: momentum factor.
         centered: normalize by an estimate of the gradient's variance instead of its second
             moment.
-        capturable: accepted for compatibility (CUDA-graph capture has no CPU meaning).
+        capturable: keep ``step`` on the parameter's device, and read a Tensor lr there
+            (CUDA graphs: a replayed graph sees changes to it). The update reads no tensor
+            on the host either way.
         foreach: accepted for compatibility; the foreach kernels are always used.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
@@ -154,7 +166,7 @@ class FunctionalRMSprop:
         self.groups = layout(params)
         self.keys = rmsprop_keys(self.momentum, self.centered)
         self.fills = [0.0 for _ in self.keys]
-        self.scalars = [k == "step" for k in self.keys]
+        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -175,7 +187,7 @@ class FunctionalRMSprop:
             self.momentum = scalar(name, value)
             self.keys = rmsprop_keys(self.momentum, self.centered)
             self.fills = [0.0 for _ in self.keys]
-            self.scalars = [k == "step" for k in self.keys]
+            self.scalars = scalar_places(self.keys, ["step"], self.capturable)
             self._complete_state()
         else:
             raise ValueError(
@@ -188,7 +200,9 @@ class FunctionalRMSprop:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
         # A state without momentum_buffer / grad_avg is complete (set_state adds what the
         # options ask for); one with them must have them shaped like the parameter.
-        return check_spec_state(self.params, state, ["step", "square_avg"], [0.0, 0.0], [True, False])
+        return check_spec_state(
+            self.params, state, ["step", "square_avg"], [0.0, 0.0], self.scalars[:2]
+        )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -217,7 +231,7 @@ class FunctionalRMSprop:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -225,5 +239,8 @@ class FunctionalRMSprop:
                 "RMSprop does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                rmsprop_update(self.live[s], lr, self.alpha, self.maximize, self.weight_decay, self.centered, self.eps, self.momentum)
+                rmsprop_update(
+                    self.live[s], lr, self.alpha, self.maximize, self.weight_decay,
+                    self.centered, self.eps, self.momentum, lr_t,
+                )
             release(self.live, self.groups)

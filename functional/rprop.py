@@ -10,15 +10,16 @@ from functional._common import (
     new_lr,
     index_of,
     lr_float,
-    lr_of,
     lr_tensor,
     one_gradient,
     optional_flag,
     pair,
+    step_lr,
     unknown_hyperparameter,
 )
 from functional._flat import layout
 from functional._kernels import (
+    scalar_places,
     check_spec_state,
     gather,
     increment_steps,
@@ -85,7 +86,10 @@ class FunctionalRprop:
         lr: initial step size (a float or a 1-element Tensor).
         etas: multiplicative decrease and increase factors ``(etaminus, etaplus)``.
         step_sizes: minimal and maximal step size.
-        capturable: accepted for compatibility (CUDA-graph capture has no CPU meaning).
+        capturable: keep ``step`` on the parameter's device (CUDA graphs). The update reads
+            no tensor on the host either way; a Tensor lr is read on the host only by a step
+            that gives a parameter its first state (whose step size starts at lr, as in
+            torch.optim), not at every step.
         foreach: accepted for compatibility; the foreach kernels are always used.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
@@ -124,7 +128,7 @@ class FunctionalRprop:
         self.groups = layout(params)
         self.keys = ['step', 'prev', 'step_size']
         self.fills = [0.0, 0.0, 0.0]
-        self.scalars = [True, False, False]
+        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -166,7 +170,8 @@ class FunctionalRprop:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
-        lr = lr_of(self.lr, self.lr_tensor)
+        # lr only starts new step sizes: a capturable step reads a Tensor lr only for those.
+        lr, _ = step_lr(self.lr, self.lr_tensor, self.capturable, self.state, gradients)
         with torch.no_grad():
             gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,

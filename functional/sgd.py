@@ -83,7 +83,7 @@ def sgd_gather(
         # buffer steps per parameter); none: the kernel's first step fills the new one.
         first = momentum and f.members[0] not in state
         keys = ["momentum_buffer"] if momentum else torch.jit.annotate(List[str], [])
-        ops = flat_operands(f, state, keys, [0.0], [False], groups.pending)
+        ops = flat_operands(f, state, keys, [0.0], [0], groups.pending)
         if len(ops) == 0:
             _sgd_group(live, fits, params, state, f.members, gradients, momentum, fused,
                        weight_decay, nesterov, first_indices, first_bufs, sparse_indices)

@@ -26,7 +26,7 @@ from functional._common import (
     unknown_hyperparameter,
 )
 from functional._flat import layout
-from functional._kernels import add_sparse_, check_spec_state, gather, no_operands, release
+from functional._kernels import add_sparse_, check_spec_state, gather, no_operands, release, scalar_places
 
 
 def sparse_adam_update(
@@ -127,7 +127,8 @@ class FunctionalSparseAdam:
         self.groups = layout(params)
         self.keys = ["step", "exp_avg", "exp_avg_sq"]
         self.fills = [0.0, 0.0, 0.0]
-        self.scalars = [True, False, False]
+        # torch.optim.SparseAdam's step is a Python int: a CPU scalar here.
+        self.scalars = scalar_places(self.keys, ["step"], False)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:

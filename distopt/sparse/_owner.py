@@ -17,7 +17,7 @@ the optimizer steps.
 import itertools
 import threading
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -43,13 +43,19 @@ def _register(shard: Tensor) -> Tuple[rpc.RRef, int]:
 
 
 def new_random_shard(
-    partition: Partition, position: int, embedding_dim: int, seed: int, dtype: torch.dtype
+    partition: Partition,
+    position: int,
+    embedding_dim: int,
+    seed: int,
+    dtype: torch.dtype,
+    device: Optional[str] = None,
 ) -> Tuple[rpc.RRef, int]:
     """RPC target: this owner's rows of a table drawn from N(0, 1) like ``nn.Embedding``.
 
     Every owner draws the whole table from a generator seeded with ``seed`` and keeps its
     rows, so the table equals ``torch.manual_seed(seed); nn.Embedding(n, d).weight``
-    whatever the partition; the draw is transient (about 1 s and 512 MB for 2M x 64).
+    whatever the partition; the draw is transient (about 1 s and 512 MB for 2M x 64), on
+    the CPU, and the rows kept move to ``device`` (None: stay on the CPU).
 
     Returns:
         (an RRef to the shard, its id here).
@@ -58,16 +64,20 @@ def new_random_shard(
     table = torch.randn(partition.num_embeddings, embedding_dim, generator=generator, dtype=dtype)
     shard = table.index_select(0, partition.global_rows(position))
     del table
+    if device is not None:
+        shard = shard.to(device)
     return _register(shard.requires_grad_(True))
 
 
-def new_shard_from(rows: Tensor) -> Tuple[rpc.RRef, int]:
-    """RPC target: a shard holding a copy of ``rows`` (``from_pretrained``).
+def new_shard_from(rows: Tensor, device: Optional[str] = None) -> Tuple[rpc.RRef, int]:
+    """RPC target: a shard holding a copy of ``rows`` (``from_pretrained``), on ``device``
+    (None: the CPU).
 
     Returns:
         (an RRef to the shard, its id here).
     """
-    return _register(rows.detach().clone().requires_grad_(True))
+    shard = rows.detach().clone() if device is None else rows.detach().to(device, copy=True)
+    return _register(shard.requires_grad_(True))
 
 
 def shard_of(shard_id: int) -> Tensor:
@@ -100,15 +110,18 @@ def lookup(shard_id: int, rows: Tensor, track: bool = False) -> Tensor:
             ``average_duplicates``.
 
     Returns:
-        The rows; outside an autograd context, detached (inference).
+        The rows, on the CPU (from a GPU shard, the copy is part of the autograd graph, so
+        no TensorPipe device map is needed and the gradient returns to the GPU); outside an
+        autograd context, detached (inference).
     """
     shard = shard_of(shard_id)
+    rows = rows.to(shard.device)
     context_id = current_context_id()
     if context_id is None:  # no context: inference, nothing to differentiate
-        return F.embedding(rows, shard.detach())
+        return F.embedding(rows, shard.detach()).cpu()
     if track:
         _record(context_id, shard_id, rows)
-    return F.embedding(rows, shard, sparse=True)
+    return F.embedding(rows, shard, sparse=True).cpu()
 
 
 # (autograd context id, shard id) -> the rows each tracked lookup requested.
@@ -183,7 +196,7 @@ def _mean_rows(grad: Tensor, looked_up: Tensor) -> Tensor:
 
 
 def shard_value(shard_id: int) -> Tensor:
-    """RPC target: a copy of a shard's current values."""
-    return shard_of(shard_id).detach().clone()
+    """RPC target: a copy of a shard's current values, on the CPU."""
+    return shard_of(shard_id).detach().to("cpu", copy=True)
 
 

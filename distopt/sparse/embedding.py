@@ -61,6 +61,11 @@ class ShardedEmbedding(nn.Module):
         seed: seed of the initial table; None draws one from torch's global generator on
             this process (so ``torch.manual_seed`` here makes it reproducible too).
         dtype: the table's dtype (default: ``torch.get_default_dtype()``).
+        device: where each owner keeps its shard and its optimizer state (default: the
+            CPU); ``"cuda"`` or ``"cuda:1"`` puts them on that GPU of every owner. The
+            initial table is drawn on the CPU first, so it is the same on any device.
+            Looked-up rows come back to the caller as CPU tensors (no TensorPipe device map
+            needed); autograd carries their gradient back to the GPU shard.
 
     Raises:
         TypeError: a size is not an int.
@@ -87,8 +92,10 @@ class ShardedEmbedding(nn.Module):
         partition: str = "range",
         seed: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[str, torch.device]] = None,
     ) -> None:
         super().__init__()
+        device = _shard_device(device)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         self._setup(num_embeddings, embedding_dim, owners, partition, dtype)
         if seed is None:
@@ -97,14 +104,19 @@ class ShardedEmbedding(nn.Module):
             raise TypeError(f"Invalid seed: {seed!r} (expected an int or None)")
         self._create(
             [
-                (_owner.new_random_shard, (self._partition, k, embedding_dim, seed, dtype))
+                (_owner.new_random_shard, (self._partition, k, embedding_dim, seed, dtype, device))
                 for k in range(len(self._infos))
             ]
         )
 
     @classmethod
     def from_pretrained(
-        cls, weight: Tensor, owners: Sequence[Owner], *, partition: str = "range"
+        cls,
+        weight: Tensor,
+        owners: Sequence[Owner],
+        *,
+        partition: str = "range",
+        device: Optional[Union[str, torch.device]] = None,
     ) -> "ShardedEmbedding":
         """A ShardedEmbedding holding a copy of ``weight`` (trainable), split over ``owners``.
 
@@ -114,6 +126,7 @@ class ShardedEmbedding(nn.Module):
             weight: the ``(num_embeddings, embedding_dim)`` table, floating point.
             owners: the workers holding the rows, distinct.
             partition: ``"range"`` or ``"hash"``.
+            device: where the owners keep their shards, as for the constructor.
 
         Raises:
             TypeError: ``weight`` is not a floating-point tensor.
@@ -127,6 +140,7 @@ class ShardedEmbedding(nn.Module):
                 f"Invalid weight: shape {tuple(weight.shape)} (expected 2-D, "
                 f"(num_embeddings, embedding_dim))"
             )
+        device = _shard_device(device)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(weight.shape[0], weight.shape[1], owners, partition, weight.dtype)
@@ -134,7 +148,7 @@ class ShardedEmbedding(nn.Module):
         # index_select copies: RPC would send a view's whole storage.
         self._create(
             [
-                (_owner.new_shard_from, (rows.index_select(0, self._partition.global_rows(k)),))
+                (_owner.new_shard_from, (rows.index_select(0, self._partition.global_rows(k)).cpu(), device))
                 for k in range(len(self._infos))
             ]
         )
@@ -314,6 +328,22 @@ class ShardedEmbedding(nn.Module):
             f"{self.num_embeddings}, {self.embedding_dim}, owners={self.owners!r}, "
             f"partition={self.partition!r}"
         )
+
+
+def _shard_device(device: Any) -> Optional[str]:
+    """The shards' device as a string for the owners (None: the CPU), or TypeError / ValueError
+    naming the argument."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"Invalid device: {device!r} (expected a str, a torch.device or None)")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"Invalid device: {device!r} (expected a device such as 'cuda:0')") from None
+    if parsed.type == "meta":
+        raise ValueError(f"Invalid device: {device!r} (the meta device holds no rows)")
+    return str(parsed)
 
 
 def tables_with_gradient(embeddings: Sequence[ShardedEmbedding], context_id: int) -> List[bool]:

@@ -71,6 +71,26 @@ bool fill(const c10::List<std::optional<at::Tensor>>& grads, at::IntArrayRef mem
     gs.push_back(std::move(*g));
   }
   const bool cpu = out.is_cpu();
+  if (!cpu) {
+    // On a GPU a copy per member is a kernel launch per member (10,000 for 10,000 small
+    // parameters); the members lie back to back in buffer order, so one cat fills ``out``.
+    bool back_to_back = true;
+    int64_t end = 0;
+    std::vector<at::Tensor> rows;
+    rows.reserve(n);
+    for (size_t k = 0; k < n; ++k) {
+      if (offsets[k] != end) {
+        back_to_back = false;
+        break;
+      }
+      end += gs[k].numel();
+      rows.push_back(gs[k].reshape({-1}));
+    }
+    if (back_to_back && end == out.numel()) {
+      at::cat_out(out, rows, 0);
+      return true;
+    }
+  }
   const int64_t item = out.element_size();
   char* base = cpu ? static_cast<char*>(out.data_ptr()) : nullptr;
   for (size_t k = 0; k < n; ++k) {

@@ -24,7 +24,7 @@ CASES = [
     Case(_A, _F, {"lr": 0.1, "t0": 3.0, "foreach": False}),
     # torch.optim's differentiable=True update of leaf parameters that require grad is
     # refused by autograd; its plain run is the reference. (capturable=True, which torch.optim
-    # cannot run on the CPU at all, is in test_capturable.py.)
+    # runs on the CPU only with its device check patched, is in test_capturable.py.)
     Case(_A, _F, {"lr": 0.1, "differentiable": True}, torch_kwargs={"lr": 0.1}),
     Case(_A, _F, {"lr": torch.tensor(0.1), "t0": 3.0, "lambd": 0.1}),
     Case(_A, _F, {"lr": torch.tensor(0.1), "t0": 3.0, "foreach": True}),

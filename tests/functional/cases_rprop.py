@@ -21,7 +21,7 @@ CASES = [
     Case(_R, _F, {"lr": 0.05, "foreach": False}),
     # torch.optim's differentiable=True update of leaf parameters that require grad is
     # refused by autograd; its plain run is the reference. (capturable=True, which torch.optim
-    # cannot run on the CPU at all, is in test_capturable.py.)
+    # runs on the CPU only with its device check patched, is in test_capturable.py.)
     Case(_R, _F, {"lr": 0.05, "differentiable": True}, torch_kwargs={"lr": 0.05}),
     Case(_R, _F, {"lr": torch.tensor(0.05)}),
     Case(_R, _F, {"lr": torch.tensor(0.05), "maximize": True, "foreach": True}),

@@ -14,8 +14,8 @@ CLASSES = [FunctionalAdam, FunctionalAdamW, FunctionalAdamax, FunctionalNAdam, F
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_capturable_is_recorded_in_the_state_dict(cls, compiled: bool) -> None:
-    """capturable only matters for CUDA graphs (torch.optim refuses it for CPU parameters);
-    here it is kept and handed on in the param group, as torch.optim's state_dict has it."""
+    """capturable, True or False, is kept and handed on in the param group, as torch.optim's
+    state_dict has it (the capturable steps' numbers are checked in test_capturable.py)."""
     torch_cls = getattr(torch.optim, cls.__name__[len("Functional"):])
     for capturable in (True, False):
         optim = cls([torch.ones(3, 2)], lr=0.01, capturable=capturable)

@@ -86,6 +86,11 @@ def test_flat_matches_torch_and_the_per_parameter_path(case: Case, compiled: boo
     functional optimizer, within the parity tolerances. (Not bit for bit: a kernel computes
     the last few elements of a tensor apart from its vector blocks, and a member's last
     elements are inside the buffer's blocks; 1 ulp apart after a step, measured.)"""
+    check_flat_matches(case, compiled)
+
+
+def check_flat_matches(case: Case, compiled: bool) -> None:
+    """``test_flat_matches_torch_and_the_per_parameter_path``'s check of one case."""
     ref = [p.requires_grad_() for p in case.make_params()]
     flat = [p.requires_grad_() for p in case.make_params()]
     plain = [p.requires_grad_() for p in case.make_params()]

@@ -61,6 +61,17 @@ def _assert_close(actual, expected, what: str) -> None:
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
 def test_matches_torch_optim(case: Case, compiled: bool) -> None:
     """Steps with None gradients interspersed, and hyper-parameters changed half-way."""
+    check_matches_torch_optim(case, compiled)
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
+def test_state_dict_round_trip_with_torch_optim(case: Case) -> None:
+    """Functional -> torch.optim and torch.optim -> functional, mid-training, lose nothing."""
+    check_state_dict_round_trip(case)
+
+
+def check_matches_torch_optim(case: Case, compiled: bool) -> Any:
+    """``test_matches_torch_optim``'s check of one case; returns the functional optimizer."""
     ref = [p.requires_grad_() for p in case.make_params()]
     mine = [p.requires_grad_() for p in case.make_params()]
     ref_opt = case.torch_cls(ref, **case.torch_kwargs_copy())
@@ -83,11 +94,11 @@ def test_matches_torch_optim(case: Case, compiled: bool) -> None:
         for key, value in entry.items():
             torch.testing.assert_close(ours["state"][i][key], value, rtol=RTOL, atol=ATOL,
                                        check_dtype=True, msg=f"state[{i}][{key!r}]")
+    return opt
 
 
-@pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
-def test_state_dict_round_trip_with_torch_optim(case: Case) -> None:
-    """Functional -> torch.optim and torch.optim -> functional, mid-training, lose nothing."""
+def check_state_dict_round_trip(case: Case) -> None:
+    """``test_state_dict_round_trip_with_torch_optim``'s check of one case."""
     half = case.steps // 2
     a = [p.requires_grad_() for p in case.make_params()]
     opt = _make(case, a, compiled=False)
