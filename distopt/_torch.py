@@ -21,6 +21,7 @@ __all__ = [
     "WeakIdKeyDictionary",
     "all_gather_flat",
     "current_context_id",
+    "destroy_private_group",
     "init_optimizer_internals",
     "jit_enabled",
     "known_worker_ids",
@@ -147,6 +148,7 @@ def private_group() -> Any:
     different order on each rank, which gloo answers by aborting the process. The timeout is
     read from the backend's options, which torch does not expose otherwise.
     """
+    _drop_retired()
     parent = dist.group.WORLD
     backend = dist.get_backend(parent)
     device = torch.device("cuda" if backend == "nccl" else "cpu")
@@ -156,3 +158,31 @@ def private_group() -> Any:
     except (AttributeError, RuntimeError):
         pass
     return dist.new_group(timeout=timeout, backend=backend)
+
+
+#: Groups made by ``private_group`` and destroyed since, kept until nothing else holds them.
+_RETIRED: list = []
+
+
+def destroy_private_group(group: Any) -> None:
+    """Destroy a group made by ``private_group`` (every rank must call it), and make sure
+    its last reference is dropped on the calling thread.
+
+    torch's PowerSGD hook chains ``future.then`` callbacks whose closures hold the group;
+    gloo runs and releases them on the group's own worker threads. A callback released
+    there after everything else let go would run the group's destructor on a worker
+    thread, which joins itself: ``std::system_error: Resource deadlock avoided`` aborts
+    the process. So destroyed groups wait here, and each call drops those that nothing
+    else references any more (sys.getrefcount: this list's and the call's own).
+    """
+    try:
+        dist.destroy_process_group(group)
+    finally:
+        _RETIRED.append(group)
+        del group
+        _drop_retired()
+
+
+def _drop_retired() -> None:
+    # 3 references: the list's, the loop variable's and getrefcount's argument.
+    _RETIRED[:] = [g for g in _RETIRED if sys.getrefcount(g) > 3]

@@ -747,7 +747,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             if comm is not None and comm is not self.process_group:
                 self._comm_group = None
                 with contextlib.suppress(Exception):  # a peer already gone
-                    dist.destroy_process_group(comm)
+                    _torch.destroy_private_group(comm)
 
     def __enter__(self) -> "DataParallelOptimizer":
         return self

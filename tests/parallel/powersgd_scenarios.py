@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 
+from distopt import _torch
 from distopt.parallel import DataParallelOptimizer, PowerSGD
 from tests.parallel.ranks import eager_class, flat_params
 from tests.parallel.scenarios import wchar
@@ -122,7 +123,8 @@ THREE_BUCKETS_MB = 1200 / 2**20
 
 def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, Any]:
     """``runs`` fresh trainings of ``steps`` steps, in three buckets."""
-    out: Dict[str, Any] = {"params": [], "buckets": [], "iter": [], "compressed": []}
+    out: Dict[str, Any] = {"params": [], "buckets": [], "iter": [], "compressed": [],
+                           "retired_while_held": [], "retired": []}
     for run in range(runs):
         model = make_model(seed=run, width=16)
         opt = DataParallelOptimizer(
@@ -139,7 +141,22 @@ def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, An
         out["buckets"].append(len(opt._buckets))
         out["iter"].append(state.iter)
         out["compressed"].append(sorted(state.p_memory_dict))
+        comm = opt._comm_group
         opt.close()
+        # destroyed, but still held by the codec's PowerSGD state: kept, not dropped
+        out["retired_while_held"].append(any(g is comm for g in _torch._RETIRED))
+        out["retired"].append(len(_torch._RETIRED))
+        del comm, state
+    # A group something else holds (as a pending callback's closure would) is kept until
+    # released, then dropped by the next sweep on this thread.
+    group = _torch.private_group()
+    held, kept = [group], id(group)
+    _torch.destroy_private_group(group)
+    del group
+    out["kept_while_held"] = any(id(g) == kept for g in _torch._RETIRED)
+    held.clear()
+    _torch._drop_retired()
+    out["dropped_after_release"] = all(id(g) != kept for g in _torch._RETIRED)
     return out
 
 

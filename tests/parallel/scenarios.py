@@ -313,6 +313,13 @@ def raise_in_backward(rank: int, world_size: int, done: Any) -> Dict[str, Any]:
     return result
 
 
+def aborts(rank: int, world_size: int) -> None:
+    """Rank 1 aborts (as a C++ std::terminate would); rank 0 waits in a barrier."""
+    if rank == 1:
+        os.abort()
+    dist.barrier()
+
+
 def dies(rank: int, world_size: int) -> Dict[str, Any]:
     """Rank 1 exits at step 2; rank 0's step fails naming itself and the bucket."""
     model = make_model()

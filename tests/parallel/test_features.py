@@ -5,6 +5,7 @@ compared with each scheme's model (payload only: gloo's headers, about 580 bytes
 collective, stay under 1% at these sizes).
 """
 import multiprocessing
+import time
 
 import pytest
 import torch
@@ -127,6 +128,13 @@ def test_a_dead_rank_fails_the_others_with_a_clear_error():
     assert results[0]["save"].startswith("RuntimeError: DataParallelOptimizer on rank 0 of 2: "
                                          "save to"), results[0]["save"]
     assert "could not agree" in results[0]["save"]
+
+
+def test_a_rank_that_aborts_fails_the_test_at_once():
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 exited with code -6 without a result"):
+        run_world(scenarios.aborts, 2)
+    assert time.monotonic() - started < 60.0  # not the world's 240 s limit
 
 
 EXPECTED_ERRORS = {

@@ -10,6 +10,8 @@ import faulthandler
 import io
 import multiprocessing
 import os
+import queue
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -21,6 +23,8 @@ from tests.distopt.conftest import free_port
 TIMEOUT_S = 20.0
 #: The most a whole world may run before the test fails (no hang survives this).
 WORLD_LIMIT_S = 240.0
+#: How often the test looks for a rank that died without a result.
+POLL_S = 1.0
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
@@ -31,6 +35,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeou
     # A rank still running when the world's limit is near prints every thread's stack (to
     # the test's captured stderr), so that a hang shows where it is.
     faulthandler.dump_traceback_later(WORLD_LIMIT_S - 15.0, exit=False)
+    faulthandler.enable(all_threads=True)  # and one that aborts, where it was
     import torch
     import torch.distributed as dist
 
@@ -44,19 +49,19 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeou
         # As bytes: a tensor put in a queue travels as a file descriptor that dies with us.
         buf = io.BytesIO()
         torch.save(out, buf)
-        results.put((rank, True, buf.getvalue()))
+        report = (rank, True, buf.getvalue())
     except BaseException:  # noqa: B902 - reported to the test
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a peer already gone
-                pass
-    # Flush the result (the queue's feeder thread), then skip interpreter teardown: gloo
-    # threads of a failed group can block it.
+        report = (rank, False, traceback.format_exc())
+    # Delivered (the queue's feeder thread flushed) before the teardown, which may abort.
+    results.put(report)
     results.close()
     results.join_thread()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone
+            pass
+    # Skip interpreter teardown: gloo threads of a failed group can block it.
     os._exit(0)
 
 
@@ -79,9 +84,27 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
         p.start()
     out: List[Any] = [None] * world_size
     failures = []
+    waiting = set(range(world_size)) - set(expect_dead)
+    deadline = time.monotonic() + WORLD_LIMIT_S
     try:
-        for _ in range(world_size - len(expect_dead)):
-            rank, ok, value = results.get(timeout=WORLD_LIMIT_S)
+        while waiting:
+            try:
+                rank, ok, value = results.get(timeout=POLL_S)
+            except queue.Empty:
+                # A rank that exited has flushed its result: one more poll would have it.
+                gone = sorted(r for r in waiting if procs[r].exitcode is not None)
+                if gone and results.empty():
+                    raise AssertionError("; ".join(
+                        f"rank {r} exited with code {procs[r].exitcode} without a result "
+                        f"(its output is in the test's captured stderr)" for r in gone
+                    )) from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"ranks {sorted(waiting)} gave no result in {WORLD_LIMIT_S:.0f} s "
+                        f"(their stacks are in the test's captured stderr)"
+                    ) from None
+                continue
+            waiting.discard(rank)
             if ok:
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
