@@ -234,6 +234,7 @@ def _local_grads(optimizer_rref: rpc.RRef, autograd_ctx_id: int) -> Tuple[List[i
     local = optimizer_rref.local_value()
     if not has_context(autograd_ctx_id):
         return [], []  # this owner took no part in the backward pass
+    local.synchronize()  # the backward pass's gradients are complete
     flat = [i for indices in local.global_indices for i in indices]
     positions, grads = _compiled(_context_grads)(autograd_ctx_id, local.params)
     return [flat[k] for k in positions], grads

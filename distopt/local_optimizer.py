@@ -49,6 +49,7 @@ __all__ = [
     "LocalOptimizer",
     "empty_sparse_gradient",
     "live_by_id",
+    "synchronize_devices",
 ]
 
 #: A piggybacked hyper-parameter change: (local group, name, new value).
@@ -86,6 +87,12 @@ def empty_sparse_gradient(param: Tensor) -> Tensor:
     indices = torch.empty([1, 0], dtype=torch.int64, device=param.device)
     values = param.new_empty([0] + list(param.shape[1:]))
     return torch.sparse_coo_tensor(indices, values, param.shape)
+
+
+def synchronize_devices(devices: Sequence[int]) -> None:
+    """``torch.cuda.synchronize`` each CUDA device index of ``devices``."""
+    for index in devices:
+        torch.cuda.synchronize(index)
 
 
 class LocalOptimizer(abc.ABC):
@@ -127,6 +134,8 @@ class LocalOptimizer(abc.ABC):
         self.global_indices = global_indices
         self.optimizer_class = optimizer_class
         self.trainer = trainer
+        #: The CUDA devices of the parameters (``synchronize``).
+        self.cuda_devices = sorted({p.device.index or 0 for p in self.params if p.is_cuda})
         with locks.registry_lock:
             self._param_locks = locks.param_locks_for(self.params)
             sharers = {lo for pl in self._param_locks for lo in pl.users}
@@ -140,7 +149,21 @@ class LocalOptimizer(abc.ABC):
         live_by_id[self.id] = self
 
     def _may_be_exclusive(self) -> bool:
-        return self.compiled and self.trainer is not None
+        # A CUDA owner steps on the locked path, which synchronizes its devices; the
+        # TorchScript step cannot (a CPU build of torch has no cuda::synchronize to compile).
+        return self.compiled and self.trainer is not None and not self.cuda_devices
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on the parameters' CUDA devices (none on a CPU owner).
+
+        TensorPipe runs each request on CUDA streams of its own, and a reply only waits for
+        the tensors it carries: the backward pass that made the gradients, or this
+        optimizer's update, may still be running on another request's streams (torch's
+        DistributedOptimizer has the same gap: pytorch/pytorch#57960). Called before a step
+        or a clip reads the gradients, and after a step, so that once the trainer has the
+        reply, every later request reads the updated parameters.
+        """
+        synchronize_devices(self.cuda_devices)
 
     def locked(self) -> "contextlib.AbstractContextManager[None]":
         """Hold every lock of this optimizer's parameters."""

@@ -205,10 +205,12 @@ def step_local_optimizer(
                     local.apply_changes(changes)
                 except Exception as exc:  # reported even when this owner has no gradients
                     return RemoteFailure.from_exception(exc)
+            local.synchronize()  # the backward pass's gradients are complete
             if empty:
                 local.step_with_empty(autograd_ctx_id, empty)
             else:
                 local.step_context(autograd_ctx_id)
+            local.synchronize()  # the update is complete before the reply
         return None
     except Exception as exc:
         # Asked only after a failure (one C++ call): an owner outside the context skips.

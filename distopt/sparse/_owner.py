@@ -27,6 +27,7 @@ from torch import Tensor
 
 from distopt.context import current_context_id, has_context
 from distopt.errors import returns_failure
+from distopt.local_optimizer import synchronize_devices
 from distopt.sparse.partition import Partition
 
 # Weak: the trainer's RRef (through the OwnerRRef here) keeps a shard alive.
@@ -162,6 +163,10 @@ def average_duplicates(shard_ids: List[int], context_id: int) -> None:
         None, or a ``RemoteFailure`` naming what went wrong.
     """
     gradients = dist_autograd.get_gradients(context_id) if has_context(context_id) else {}
+    # the backward pass's gradients are complete (see LocalOptimizer.synchronize)
+    synchronize_devices(sorted({
+        shard_of(i).device.index or 0 for i in shard_ids if shard_of(i).is_cuda
+    }))
     for shard_id in shard_ids:
         with _lookups_lock:
             records = _lookups.pop((context_id, shard_id), None)

@@ -2,7 +2,7 @@
 import io
 import os
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -51,6 +51,52 @@ def value_on_cpu(p_rref: rpc.RRef) -> Tensor:
 
 def device_of(p_rref: rpc.RRef) -> str:
     return str(p_rref.local_value().device)
+
+
+#: The race check's parameter: large enough that an update still running on one CUDA stream
+#: overlaps a read issued on another.
+BIG = 1 << 25
+
+
+def make_big(device: str) -> Tensor:
+    return torch.zeros(BIG, device=device, requires_grad=True)
+
+
+def extremes_and_sum(p_rref: rpc.RRef) -> Tuple[List[float], Tensor]:
+    """On the owner: the parameter's (min, max), read on this request's streams, and a loss
+    whose gradient is all ones (a CPU scalar: no device map needed)."""
+    p = p_rref.local_value()
+    seen = torch.stack([p.detach().min(), p.detach().max()]).cpu().tolist()
+    return seen, p.sum().cpu()
+
+
+def exclusive_flags() -> List[bool]:
+    """On an owner: whether each live local optimizer may step on the TorchScript path."""
+    from distopt.local_optimizer import live_by_id
+    return [lo.exclusive for lo in live_by_id.values()]
+
+
+def race(device: str) -> List[List[float]]:
+    """SGD (lr 1, gradient all ones) on one large owner parameter: after n steps every
+    element is exactly -n. Each forward reads the parameter's extremes at once on a new
+    request's streams: they must already be -n, -n (the owner synchronized its device after
+    the step), and the step must read complete gradients (before it, too)."""
+    from distopt import DistributedOptimizer
+
+    rref = rpc.remote("owner1", make_big, args=(device,))
+    opt = DistributedOptimizer(torch.optim.SGD, [rref], lr=1.0)
+    seen = []
+    for _ in range(RACE_STEPS):
+        with dist_autograd.context() as ctx:
+            extremes, loss = rpc.rpc_sync("owner1", extremes_and_sum, args=(rref,))
+            seen.append(extremes)
+            dist_autograd.backward(ctx, [loss])
+            opt.step(ctx)
+    seen.append(rpc.rpc_sync("owner1", extremes_and_sum, args=(rref,))[0])
+    return seen
+
+
+RACE_STEPS = 8
 
 
 def options(port: int, device: str, me: str) -> rpc.TensorPipeRpcBackendOptions:
@@ -119,7 +165,10 @@ def train(device: str, folder: str) -> Dict[str, Any]:
         opt.step(ctx)
     opt.load(os.path.join(folder, "ckpt"))
     reloaded = opt.state_dict()
+    exclusive = [rpc.rpc_sync(o, exclusive_flags) for o in ("owner1", "owner2")]
     return {
+        "race": race(device),
+        "exclusive": exclusive,
         "params": values,
         "devices": [rpc.rpc_sync(o, device_of, args=(r,)) for o, r in zip(owners, rrefs)],
         "norms": norms,

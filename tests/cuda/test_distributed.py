@@ -107,3 +107,14 @@ def test_load_restores_the_saved_state(trained) -> None:
 def test_sharded_embedding_on_the_device_equals_sparse_adam(trained) -> None:
     _, _, table, _ = _reference()
     torch.testing.assert_close(trained["table"], table.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_is_complete_before_the_next_request_reads(trained) -> None:
+    """TensorPipe runs each request on streams of its own; the owner's step synchronizes its
+    device before reading the gradients and before replying (pytorch/pytorch#57960)."""
+    assert trained["race"] == [[-float(n), -float(n)] for n in range(remote.RACE_STEPS + 1)]
+
+
+def test_cuda_owners_step_on_the_synchronizing_path(trained) -> None:
+    flags = [f for owner in trained["exclusive"] for f in owner]
+    assert flags and not any(flags) if DEVICE.type == "cuda" else all(flags)
