@@ -20,6 +20,7 @@ from distopt.context import check_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
 from distopt.layout import OwnerPart
+from functional._flat import layout
 
 
 # ---------------------------------------------------------------- trainer side
@@ -168,33 +169,14 @@ def _context_grads(autograd_ctx_id: int, params: List[Tensor]) -> Tuple[List[int
     return positions, grads
 
 
-def _by_device(grads: List[Tensor]) -> List[List[int]]:
-    """Positions in ``grads`` grouped by device, in first-seen order (foreach ops take one
-    device per call)."""
-    devices: List[torch.device] = []
-    groups: List[List[int]] = []
-    for k in range(len(grads)):
-        d = grads[k].device
-        found = -1
-        for j in range(len(devices)):
-            if devices[j] == d:
-                found = j
-        if found < 0:
-            devices.append(d)
-            groups.append([k])
-        else:
-            groups[found].append(k)
-    return groups
-
-
 def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> Tensor:
     """Each gradient's norm, in one float32-or-wider CPU tensor: one copy to the host per
-    device, not one per parameter."""
+    (device, dtype) group (foreach ops take one device per call), not one per parameter."""
     dense: List[Tensor] = []
     for g in grads:
         dense.append(g.coalesce().values() if g.is_sparse else g)
     out: List[Tensor] = [torch.empty(0) for _ in dense]
-    for group in _by_device(dense):
+    for group in layout(dense).dense:
         members = [dense[k] for k in group]
         if foreach:
             norms = torch._foreach_norm(members, norm_type)
@@ -207,8 +189,9 @@ def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> Tensor:
 
 
 def _scale(grads: List[Tensor], coef: Tensor, foreach: bool) -> None:
-    """Multiply by ``coef`` (a CPU scalar from the trainer), copied once to each device."""
-    for group in _by_device(grads):
+    """Multiply by ``coef`` (a CPU scalar from the trainer), copied once to each group's
+    device."""
+    for group in layout(grads).dense:
         members = [grads[k] for k in group]
         here = coef.to(members[0].device)
         if foreach:
@@ -219,7 +202,7 @@ def _scale(grads: List[Tensor], coef: Tensor, foreach: bool) -> None:
 
 
 def _clamp(grads: List[Tensor], clip_value: float, foreach: bool) -> None:
-    for group in _by_device(grads):
+    for group in layout(grads).dense:
         members = [grads[k] for k in group]
         if foreach:
             torch._foreach_clamp_min_(members, -clip_value)

@@ -48,6 +48,7 @@ __all__ = [
     "EagerLocalOptimizer",
     "LocalOptimizer",
     "empty_sparse_gradient",
+    "cuda_device_indices",
     "live_by_id",
     "synchronize_devices",
 ]
@@ -87,6 +88,11 @@ def empty_sparse_gradient(param: Tensor) -> Tensor:
     indices = torch.empty([1, 0], dtype=torch.int64, device=param.device)
     values = param.new_empty([0] + list(param.shape[1:]))
     return torch.sparse_coo_tensor(indices, values, param.shape)
+
+
+def cuda_device_indices(tensors: Sequence[Tensor]) -> List[int]:
+    """The indices of the CUDA devices ``tensors`` live on, sorted (none on the CPU)."""
+    return sorted({t.device.index or 0 for t in tensors if t.is_cuda})
 
 
 def synchronize_devices(devices: Sequence[int]) -> None:
@@ -135,7 +141,7 @@ class LocalOptimizer(abc.ABC):
         self.optimizer_class = optimizer_class
         self.trainer = trainer
         #: The CUDA devices of the parameters (``synchronize``).
-        self.cuda_devices = sorted({p.device.index or 0 for p in self.params if p.is_cuda})
+        self.cuda_devices = cuda_device_indices(self.params)
         with locks.registry_lock:
             self._param_locks = locks.param_locks_for(self.params)
             sharers = {lo for pl in self._param_locks for lo in pl.users}

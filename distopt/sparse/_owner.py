@@ -27,7 +27,7 @@ from torch import Tensor
 
 from distopt.context import current_context_id, has_context
 from distopt.errors import returns_failure
-from distopt.local_optimizer import synchronize_devices
+from distopt.local_optimizer import cuda_device_indices, synchronize_devices
 from distopt.sparse.partition import Partition
 
 # Weak: the trainer's RRef (through the OwnerRRef here) keeps a shard alive.
@@ -77,8 +77,7 @@ def new_shard_from(rows: Tensor, device: Optional[str] = None) -> Tuple[rpc.RRef
     Returns:
         (an RRef to the shard, its id here).
     """
-    shard = rows.detach().clone() if device is None else rows.detach().to(device, copy=True)
-    return _register(shard.requires_grad_(True))
+    return _register(rows.detach().to(device or rows.device, copy=True).requires_grad_(True))
 
 
 def shard_of(shard_id: int) -> Tensor:
@@ -163,14 +162,13 @@ def average_duplicates(shard_ids: List[int], context_id: int) -> None:
         None, or a ``RemoteFailure`` naming what went wrong.
     """
     gradients = dist_autograd.get_gradients(context_id) if has_context(context_id) else {}
+    shards = [shard_of(i) for i in shard_ids]
     # the backward pass's gradients are complete (see LocalOptimizer.synchronize)
-    synchronize_devices(sorted({
-        shard_of(i).device.index or 0 for i in shard_ids if shard_of(i).is_cuda
-    }))
-    for shard_id in shard_ids:
+    synchronize_devices(cuda_device_indices(shards))
+    for shard_id, shard in zip(shard_ids, shards):
         with _lookups_lock:
             records = _lookups.pop((context_id, shard_id), None)
-        grad = gradients.get(shard_of(shard_id))
+        grad = gradients.get(shard)
         if records is None or grad is None or not grad.is_sparse:
             continue
         with torch.no_grad():

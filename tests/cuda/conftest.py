@@ -22,4 +22,8 @@ CUDA = [
 ]
 
 #: For the tests that only mean something on a GPU.
-gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device itself")
+gpu_only = pytest.mark.skipif(
+    DEVICE.type != "cuda",
+    reason="no CUDA device: DISTOPT_TEST_DEVICE=cpu runs the CUDA tests on the CPU, and this "
+    "one (a CUDA graph, CUDA synchronisation) means something only on a GPU",
+)
