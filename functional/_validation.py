@@ -87,9 +87,11 @@ def check_fused(params: List[Tensor], fused: Optional[bool], differentiable: boo
     check_fused_differentiable(fused, differentiable)
     for i, p in enumerate(params):
         if not torch.is_floating_point(p):
+            kind = "complex " if p.is_complex() else ""
             raise RuntimeError(
-                f"Invalid fused: True with params[{i}] of dtype {p.dtype} (expected "
-                f"floating-point parameters)"
+                f"Invalid fused: True with params[{i}] of {kind}dtype {p.dtype} (expected "
+                f"floating-point parameters: torch.optim's fused kernels take no "
+                f"{kind or 'integer '}parameters; leave fused unset)"
             )
 
 
@@ -157,13 +159,17 @@ def check_matrix_params(params: List[Tensor]) -> None:
             )
 
 
-def check_dense_real_params(params: List[Tensor]) -> None:
-    """Every parameter must be a dense (strided), real tensor."""
+def check_dense_real_params(params: List[Tensor], algorithm: str) -> None:
+    """Every parameter must be a dense (strided), real tensor: ``algorithm`` (torch.optim's
+    class name) is one torch.optim refuses complex parameters for."""
     for i, p in enumerate(params):
         if p.is_sparse:
             raise ValueError(f"Invalid params[{i}]: a sparse tensor (expected a dense Tensor)")
         if p.is_complex():
-            raise ValueError(f"Invalid params[{i}]: dtype {p.dtype} (expected a real dtype)")
+            raise ValueError(
+                f"Invalid params[{i}]: complex dtype {p.dtype} (expected a real dtype: "
+                f"{algorithm} does not support complex parameters, as torch.optim.{algorithm})"
+            )
 
 
 def check_optional_eps_pair(eps: Tuple[Optional[float], float]) -> None:

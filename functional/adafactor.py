@@ -10,6 +10,7 @@ from functional._validation import (
     check_at_most,
     check_lr,
     check_optional_eps_pair,
+    check_dense_real_params,
     check_params,
     check_types,
 )
@@ -234,6 +235,7 @@ class FunctionalAdafactor:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdafactor)
             check_params(params)
+            check_dense_real_params(params, "Adafactor")
             check_types(FunctionalAdafactor, locals())
             check_lr(lr)
             check_at_most("beta2_decay", beta2_decay, 0.0)

@@ -15,7 +15,7 @@ from functional._validation import (
     check_betas,
     check_betas_kind,
     check_flags,
-    check_fused_differentiable,
+    check_fused,
     check_lr,
     check_no_tensor_lr_with_foreach,
     check_params,
@@ -202,7 +202,7 @@ class FunctionalAdam:
             check_betas(betas)
             check_at_least("weight_decay", weight_decay, 0.0)
             check_betas_kind(betas, foreach, capturable)
-            check_fused_differentiable(fused, differentiable)
+            check_fused(params, fused, differentiable)
             check_flags(foreach, fused)
         self.params = params
         self.lr = lr_float(lr)

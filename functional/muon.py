@@ -13,6 +13,7 @@ from functional._validation import (
     check_length,
     check_lr,
     check_matrix_params,
+    check_dense_real_params,
     check_params,
     check_types,
 )
@@ -143,6 +144,7 @@ class FunctionalMuon:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalMuon)
             check_params(params)
+            check_dense_real_params(params, "Muon")
             check_types(FunctionalMuon, locals())
             check_lr(lr)
             check_at_least("momentum", momentum, 0.0)

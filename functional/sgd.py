@@ -8,6 +8,7 @@ from functional._compile import ensure_scripted
 from functional._validation import (
     check_at_least,
     check_flags,
+    check_fused,
     check_lr,
     check_nesterov,
     check_params,
@@ -35,6 +36,7 @@ from functional._kernels import (
     fit_fused_layouts,
     new_operands,
     no_operands,
+    real_views,
     refuse,
     release,
     signed,
@@ -158,6 +160,10 @@ def _sgd_group(
                     first[2].append(buf)
                 if fused and not first_fit:
                     first_fit = not (p.is_contiguous() and g.is_contiguous())
+    if len(group) > 0 and params[group[0]].is_complex():
+        # torch.optim steps complex parameters as real pairs (a group is of one dtype).
+        first = real_views(first)
+        later = real_views(later)
     live.append(first)
     live.append(later)
     fits.append(first_fit)
@@ -314,6 +320,7 @@ class FunctionalSGD:
             check_at_least("momentum", momentum, 0.0)
             check_at_least("weight_decay", weight_decay, 0.0)
             check_flags(foreach, fused)
+            check_fused(params, fused, differentiable)
             check_nesterov(nesterov, momentum, dampening)
         self.params = params
         self.lr = lr_float(lr)

@@ -116,7 +116,7 @@ class FunctionalSparseAdam:
             check_greater("lr", lr_float(lr), 0.0)
             check_greater("eps", eps, 0.0)
             check_betas(betas)
-            check_dense_real_params(params)
+            check_dense_real_params(params, "SparseAdam")
         self.params = params
         self.lr = lr_float(lr)
         self.lr_tensor = lr_tensor(lr)

@@ -46,6 +46,24 @@ def make_param(shape: Tuple[int, ...], seed: int) -> Tensor:
     return torch.randn(shape, generator=gen).requires_grad_(True)
 
 
+def make_complex_param(shape: Tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
+    """A random parameter of a complex ``dtype``, owned by the worker running this."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(True)
+
+
+def complex_term(param: Tensor, data: Tensor) -> Tensor:
+    """A real loss of a complex parameter, ``sum(tanh(view_as_real(p * x)))`` (of a real
+    one, ``sum(tanh(p * x))``)."""
+    product = param * data
+    return torch.tanh(torch.view_as_real(product) if product.is_complex() else product).sum()
+
+
+def remote_complex_term(param_rref: rpc.RRef, data: Tensor) -> Tensor:
+    """``complex_term`` on the owner of ``param_rref``."""
+    return complex_term(param_rref.local_value(), data)
+
+
 def make_ones(shape: Tuple[int, ...]) -> Tensor:
     """A parameter of ones."""
     return torch.ones(shape, requires_grad=True)

@@ -14,6 +14,7 @@ import torch.distributed.rpc as rpc
 from distopt import DistributedOptimizer, owner
 from functional import functional_optim_map, register_functional_optimizer
 from tests.distopt import remote
+from tests.functional.test_complex import COMPLEX_OPTIONS
 
 SHAPES = ((5, 3), (4, 2), (6, 3), (3, 2))
 OWNERS = ("worker1", "worker1", "worker2", "worker2")
@@ -90,6 +91,42 @@ def run_parity(
 def test_functional_path_matches_torch_optim(world, optimizer_class):
     kwargs, torch_kwargs, sparse = parity_args(optimizer_class)
     run_parity(optimizer_class, kwargs, torch_kwargs, sparse, expect_functional=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+@pytest.mark.parametrize("name", sorted(COMPLEX_OPTIONS))
+def test_complex_parameters_match_torch_optim(world, name, dtype):
+    """Complex parameters on two owners (beside a real one) step as torch.optim steps them,
+    with gradients read from the dist_autograd context."""
+    optimizer_class = getattr(torch.optim, name)
+    kwargs = COMPLEX_OPTIONS[name]
+    rrefs = [
+        rpc.remote(o, remote.make_complex_param, args=(s, i, dtype))
+        for i, (o, s) in enumerate(zip(OWNERS[:3], SHAPES[:3]))
+    ]
+    rrefs.append(rpc.remote(OWNERS[3], remote.make_param, args=(SHAPES[3], 3)))
+    local = [r.to_here().detach().clone().requires_grad_(True) for r in rrefs]
+    dist_opt = DistributedOptimizer(optimizer_class, rrefs, **kwargs)
+    assert dist_opt.is_functional_optim
+    reference = optimizer_class(local, **kwargs)
+    for step, uses in enumerate(STEP_USES):
+        gen = torch.Generator().manual_seed(200 + step)
+        data = [torch.randn(s, generator=gen, dtype=p.dtype) for s, p in zip(SHAPES, local)]
+        with dist_autograd.context() as ctx:
+            terms = [
+                rpc.rpc_sync(OWNERS[i], remote.remote_complex_term, args=(rrefs[i], data[i]))
+                for i in uses
+            ]
+            dist_autograd.backward(ctx, [torch.stack(terms).sum()])
+            dist_opt.step(ctx)
+        reference.zero_grad(set_to_none=True)
+        torch.stack([remote.complex_term(local[i], data[i]) for i in uses]).sum().backward()
+        reference.step()
+    for i, rref in enumerate(rrefs):
+        torch.testing.assert_close(
+            rpc.rpc_sync(OWNERS[i], remote.value, args=(rref,)), local[i].detach(),
+            msg=lambda m, i=i: f"parameter {i} on {OWNERS[i]}: {m}",
+        )
 
 
 def test_eager_path_matches_torch_optim(world, monkeypatch):
