@@ -28,6 +28,7 @@ __all__ = [
     "queue_end_of_backward",
     "retrieve_context",
     "rpc_initialized",
+    "version",
 ]
 
 # ``PyRRef``: what ``rpc.remote`` returns is this base class, not ``rpc.RRef``, so an
@@ -117,6 +118,17 @@ def all_gather_flat(output: Any, tensor: Any, group: Any = None, async_op: bool 
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, tensor, group=group, async_op=async_op)
+
+
+def version(tensor: Any) -> int:
+    """How many in-place changes ``tensor``'s storage has seen (shared by its views).
+
+    Needed by ``distopt.parallel`` to notice a ``.grad`` changed in place between backward
+    and ``step()`` (``clip_grad_norm_``, ``zero_grad(set_to_none=False)``) after its bucket
+    was stepped during backward; torch exposes the autograd version counter only as
+    ``Tensor._version``. Changes made through ``.data`` do not count.
+    """
+    return tensor._version
 
 
 def backward_depth() -> int:

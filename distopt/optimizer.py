@@ -23,6 +23,9 @@ from distopt.layout import Layout, OwnerPart
 from distopt.param_groups import (
     TrainerGroups,
     as_keywords,
+    built_groups,
+    check_groups,
+    holds_tensor,
     normalize_param_groups,
     pending_changes,
     signature_defaults,
@@ -49,7 +52,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Changing a hyper-parameter there (``lr``, ``momentum``, ``betas``, ``weight_decay``...)
     takes effect on every owner at the next ``step``, sent with that step's RPC; nothing is
     recompiled. A compiled optimizer can change only the keys its functional class accepts
-    in ``set_hyperparameter``; changing another raises ValueError at the next step.
+    in ``set_hyperparameter``; changing another raises ValueError at the next step. The
+    groups themselves are fixed at construction: a group's ``params`` replaced or changed in
+    place (a parameter appended, removed, replaced, reordered), a group added or removed, a
+    key deleted, or a constructor keyword the group was built without added, raises
+    ValueError naming the group and the change at the next ``step``, ``state_dict``,
+    ``load_state_dict``, ``save``, ``load`` or clipping call, before any owner is contacted
+    (``distopt.param_groups.check_groups``).
 
     Every step of every local optimizer holds the locks of the parameters it updates, so any
     number of trainers, each with its own DistributedOptimizer over the same parameters,
@@ -213,9 +222,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             settable=settable,
         )
 
+        given = as_keywords(optimizer_class, args, kwargs)[1]
         for g, group in enumerate(user_groups):
             extra = {k: v for k, v in group.items() if k != "params" and k not in described[g]}
-            self.param_groups.append({"params": group["params"], **described[g], **extra})
+            # A Tensor the user gave (lr, betas, ...) stays the very object, as torch.optim
+            # keeps it: a change made to it in place reaches the owners at the next step.
+            mine = {
+                k: v for k, v in {**given, **group}.items()
+                if k in described[g] and holds_tensor(v)
+            }
+            self.param_groups.append(
+                {"params": group["params"], **described[g], **mine, **extra}
+            )
         if eager_defaults is not None:
             self.defaults = eager_defaults
         else:
@@ -227,6 +245,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             {k: snapshot(group[k]) for k in self._layout.hyper_keys}
             for group in self.param_groups
         ]
+        #: What ``param_groups`` must keep: the owners' optimizers are built from it once.
+        self._built = built_groups(
+            type(self).__name__, self.param_groups, self._layout.hyper_keys, optimizer_class
+        )
 
     def _init_optimizer_fields(self) -> None:
         """What torch.optim.Optimizer's constructor sets, without its checks on tensors.
@@ -254,11 +276,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Raises:
             TypeError: ``context_id`` is not an integer.
-            ValueError: no such context is alive on this worker, or a hyper-parameter that
-                cannot change was changed (both checked before any owner is contacted).
+            ValueError: no such context is alive on this worker, a hyper-parameter that
+                cannot change was changed, or ``param_groups`` were edited in a way the
+                owners cannot follow (all checked before any owner is contacted).
             DistributedOptimizerError: some owners failed, or could not be reached.
         """
         with self._lock:
+            check_groups(self.param_groups, self._built)
             context_id, context = live_context(context_id)
             self._before_step(context_id)
             changes = pending_changes(
@@ -360,6 +384,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed or could not be reached.
         """
         with self._lock:
+            check_groups(self.param_groups, self._built)
             return state.gather_state_dict(self._layout, self.param_groups)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -379,6 +404,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             DistributedOptimizerError: some owners failed or could not be reached.
         """
         with self._lock:
+            check_groups(self.param_groups, self._built)
             state.load_state_dict(self._layout, self._trainer_groups(), state_dict)
 
     def save(self, path: str) -> Dict[str, Any]:
@@ -388,11 +414,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The manifest written.
         """
         with self._lock:
+            check_groups(self.param_groups, self._built)
             return checkpoint.save(self._layout, self.param_groups, path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save``; see :mod:`distopt.checkpoint`."""
         with self._lock:
+            check_groups(self.param_groups, self._built)
             checkpoint.load(self._layout, self._trainer_groups(), path)
 
     def clip_grad_norm_(
@@ -408,6 +436,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         As :func:`torch.nn.utils.clip_grad_norm_`; see :func:`distopt.clipping.clip_grad_norm_`.
         """
         with self._lock:
+            check_groups(self.param_groups, self._built)
             return clipping.clip_grad_norm_(
                 self._owners, context_id, max_norm, norm_type, error_if_nonfinite, foreach
             )
@@ -420,6 +449,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         As :func:`torch.nn.utils.clip_grad_value_`; see :func:`distopt.clipping.clip_grad_value_`.
         """
         with self._lock:
+            check_groups(self.param_groups, self._built)
             clipping.clip_grad_value_(self._owners, context_id, clip_value, foreach)
 
     @property

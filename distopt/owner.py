@@ -48,7 +48,7 @@ def _local_groups(specs: List[GroupSpec]) -> Tuple[List[List[Tensor]], List[List
             if id(p) in seen and seen[id(p)] != i:
                 raise ValueError(
                     f"Invalid params: parameters {seen[id(p)]} and {i} are the same tensor "
-                    f"(expected each parameter in one param group only)"
+                    f"(expected each parameter once, in one param group)"
                 )
             seen[id(p)] = i
     return group_params, [list(indices) for _, indices, _ in specs]

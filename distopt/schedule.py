@@ -11,15 +11,24 @@ of its initial value, as :class:`torch.optim.lr_scheduler.LambdaLR` does for ``l
 It reads and writes only ``optimizer.param_groups``, so it works on every
 ``torch.optim.Optimizer`` that keeps torch.optim's param groups: the torch.optim classes,
 and ``distopt.DistributedOptimizer``, whose owners receive the changed values with the next
-step's RPC.
+step's RPC. A value the optimizer's class would refuse in its constructor is refused before
+it is written (``distopt.arguments.probe_construction``).
 """
+import inspect
+import logging
 import math
 import numbers
+import re
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from distopt.arguments import constructor_keywords, probe_construction
+from functional import functional_optim_map
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HyperparameterScheduler"]
 
@@ -44,6 +53,18 @@ class HyperparameterScheduler:
     tensor ``lr``; tensors that torch.optim's defaults share between several groups are first
     given one copy per group, so that each group's factor reaches only that group.
 
+    Every new value is first checked by the optimizer's class itself (``optimizer_class``
+    of distopt's optimizers, else ``type(optimizer)``): the class is built over a 1 x 1
+    probe tensor with the group's values and the new one (about 7 µs per group and step for
+    a torch.optim class), so the ranges are exactly its constructor's: ``0 <= betas[i] < 1``
+    for Adam, ``rho`` in [0, 1] for Adadelta, ``etas`` with ``0 < etas[0] < 1 < etas[1]`` for
+    Rprop, ``eps``, ``weight_decay`` and ``lr_decay`` >= 0, ``momentum`` > 0 under
+    Nesterov, and so on. Where the constructor sets no bound the scheduler sets none either
+    (``torch.optim.SGD`` takes ``momentum=1.8``). For a class of the user's, registered or
+    eager, the range is whatever its constructor refuses; a class whose constructor refuses
+    the group's present values too (or does not take ``(params, **hyper-parameters)``) is
+    not checked.
+
     Args:
         optimizer: any ``torch.optim.Optimizer`` with torch.optim's ``param_groups``.
         key: the hyper-parameter to schedule; every param group must hold it, as a number, a
@@ -65,7 +86,10 @@ class HyperparameterScheduler:
             there; ``fn`` is a list of the wrong length; ``index`` is out of range, given for
             a scalar or missing for a tuple; a stored ``initial_{key}`` is of another kind
             than the value; ``last_epoch`` is below -1, or >= 0 without initial values; a
-            factor is not finite. Nothing in the param groups has changed then.
+            factor is not finite; a new value is one the optimizer's class refuses (``Invalid
+            betas[0] for param_groups[0]: 1.08 from HyperparameterScheduler (expected in
+            [0, 1), as torch.optim.Adam requires)``). Nothing in the param groups has
+            changed then.
 
     Example::
 
@@ -129,8 +153,9 @@ class HyperparameterScheduler:
         """Advance one epoch and write every group's new value.
 
         Raises:
-            TypeError, ValueError: a factor is not a finite real number, or the optimizer's
-                number of param groups changed; no group is changed then.
+            TypeError, ValueError: a factor is not a finite real number, a new value is one
+                the optimizer's class refuses, or the optimizer's number of param groups
+                changed; no group is changed then.
         """
         new = self._values_at(self.last_epoch + 1)
         self.last_epoch += 1
@@ -213,17 +238,43 @@ class HyperparameterScheduler:
             if type(factor) not in (int, float):
                 factor = float(factor)  # numpy scalars: write plain Python numbers
             values.append(base * factor)
+        self._check_accepted(values)
         return values
+
+    def _check_accepted(self, values: List[Any]) -> None:
+        """Each group's new value must be one the optimizer's class takes with the group's
+        other values: its constructor, run over a probe tensor, decides.
+
+        Raises:
+            ValueError: naming the key, the group, the value and the range.
+        """
+        cls = _optimizer_class(self.optimizer)
+        keywords = constructor_keywords(cls)
+        if self.key not in keywords:
+            return
+        for g, (group, value) in enumerate(zip(self.optimizer.param_groups, values)):
+            kwargs = {k: group[k] for k in keywords if k in group}
+            current = kwargs[self.key]
+            kwargs[self.key] = _replaced(current, self.index, value)
+            refusal = _refusal(cls, kwargs)
+            if refusal is None:
+                continue
+            if _refusal(cls, {**kwargs, self.key: current}) is not None:
+                logger.debug("%s refuses param_groups[%d] as it is: %s unchecked", cls, g, self.key)
+                continue
+            name = self.key if self.index is None else f"{self.key}[{self.index}]"
+            shown = float(value) if isinstance(value, Tensor) else value
+            raise ValueError(
+                f"Invalid {name} for param_groups[{g}]: {shown!r} from HyperparameterScheduler "
+                f"(expected {_expected_range(cls, kwargs, refusal)})"
+            )
 
     def _write(self, values: List[Any]) -> None:
         for group, value in zip(self.optimizer.param_groups, values):
             current = group[self.key]
-            if self.index is None:
-                group[self.key] = _assign(current, value)
-            else:
-                items = list(current)
-                items[self.index] = _assign(items[self.index], value)
-                group[self.key] = tuple(items) if isinstance(current, tuple) else items
+            group[self.key] = _replaced(
+                current, self.index, _assign(_element(current, self.index), value)
+            )
         self._last_value = [
             _copy(_element(group[self.key], self.index)) for group in self.optimizer.param_groups
         ]
@@ -322,6 +373,53 @@ def _check_initial(initial: Any, current: Any, name: str, g: int) -> None:
 
 def _element(value: Any, index: Optional[int]) -> Any:
     return value if index is None else value[index]
+
+
+def _replaced(current: Any, index: Optional[int], value: Any) -> Any:
+    """``current`` with its scheduled element ``value``: ``value`` itself for a scalar, a new
+    tuple (or list) for a tuple-valued key."""
+    if index is None:
+        return value
+    items = list(current)
+    items[index] = value
+    return tuple(items) if isinstance(current, tuple) else items
+
+
+def _optimizer_class(optimizer: torch.optim.Optimizer) -> type:
+    """The class whose constructor rules the values: distopt's optimizers name the class
+    they step (``optimizer_class``); a torch.optim optimizer is its own."""
+    cls = getattr(optimizer, "optimizer_class", None)
+    return cls if inspect.isclass(cls) else type(optimizer)
+
+
+def _refusal(cls: Any, kwargs: Dict[str, Any]) -> Optional[Exception]:
+    """What ``cls``'s constructor raises for ``kwargs`` over a probe tensor; None if nothing."""
+    try:
+        probe_construction(cls, kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return exc
+    return None
+
+
+def _expected_range(cls: type, kwargs: Dict[str, Any], refusal: Exception) -> str:
+    """The range ``cls`` requires, in words: torch.optim's messages name no range, so it is
+    taken from the functional twin's refusal of the same values (``(expected in [0, 1))``)
+    where it has one that refuses them too; otherwise ``cls``'s own message."""
+    name = _class_name(cls)
+    twin = functional_optim_map.get(cls)
+    if twin is not None:
+        keywords = constructor_keywords(twin)
+        said = _refusal(twin, {k: v for k, v in kwargs.items() if k in keywords})
+        found = re.search(r"\(expected (.*)\)$", str(said)) if said is not None else None
+        if found:
+            return f"{found.group(1)}, as {name} requires"
+    return f"a value {name} accepts; it raises {type(refusal).__name__}: {refusal}"
+
+
+def _class_name(cls: type) -> str:
+    return f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls else (
+        cls.__qualname__
+    )
 
 
 def _copy(value: Any) -> Any:

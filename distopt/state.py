@@ -21,7 +21,7 @@ from distopt.errors import DistributedOptimizerError, returns_failure
 from distopt.fanout import fan_out
 from distopt.layout import Layout
 from distopt.param_groups import TrainerGroups, same, snapshot
-from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter
+from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter, torch_group
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,9 @@ def check_groups(
                 f"Invalid {what}: param_groups[{g}] is not a param group (expected a dict "
                 f"with 'params')"
             )
+        # A state_dict of an older torch lacks the options added since: filled as
+        # torch.optim's load_state_dict fills them (the owners fill theirs the same way).
+        saved = torch_group(layout.optimizer_class, saved)
         missing = sorted(required - set(saved))
         if missing:
             raise ValueError(
@@ -202,7 +205,10 @@ def load_state_dict(layout: Layout, trainer: TrainerGroups, state_dict: Dict[str
             i, entry, layout.param_shapes[i], repr(saved_id), "state_dict", layout.compiled
         )
         by_index[i] = entry
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    hyper = [
+        {k: v for k, v in torch_group(layout.optimizer_class, g).items() if k != "params"}
+        for g in groups
+    ]
     token = uuid.uuid4().hex
     stage_calls = {}
     for part in layout.owners:

@@ -140,6 +140,41 @@ def lr_tensor(lr: Union[float, Tensor]) -> Optional[Tensor]:
     return None
 
 
+def tensor_pair(
+    pair: Tuple[Union[float, Tensor], Union[float, Tensor]]
+) -> Optional[List[Tensor]]:
+    """A pair hyper-parameter given as two 1-element Tensors (Adam's Tensor betas), kept so
+    that changes to them in place are seen (``pair_of``); None for floats."""
+    first, second = pair
+    if isinstance(first, Tensor) and isinstance(second, Tensor):
+        return [first, second]
+    return None
+
+
+def pair_of(
+    values: Tuple[float, float], tensors: Optional[List[Tensor]], capturable: bool
+) -> Tuple[float, float]:
+    """The pair a step uses: the Tensors given to the constructor read now, as torch.optim
+    reads its Tensor betas at every step, else ``values``. A capturable step does not read a
+    Tensor on a GPU on the host (a CUDA graph cannot record that): it takes ``values``, the
+    pair given to the constructor or set last by ``set_hyperparameter``."""
+    if tensors is None:
+        return values
+    if capturable and (tensors[0].device.type != "cpu" or tensors[1].device.type != "cpu"):
+        return values
+    return (float(tensors[0].item()), float(tensors[1].item()))
+
+
+def new_pair(name: str, tensors: Optional[List[Tensor]], value: List[float]) -> Tuple[float, float]:
+    """The pair ``set_hyperparameter(name, value)`` sets; Tensors given to the constructor
+    take the new values in place too, as ``new_lr`` fills a Tensor lr."""
+    values = pair(name, value)
+    if tensors is not None:
+        tensors[0].fill_(values[0])
+        tensors[1].fill_(values[1])
+    return (values[0], values[1])
+
+
 def optional_flag(value: Optional[bool]) -> Optional[bool]:
     """A ``foreach`` / ``fused`` flag as a Python bool or None, whatever torch.optim would read
     for its truth (a numpy bool, an int): TorchScript keeps only a bool."""

@@ -204,12 +204,6 @@ def _gather_groups(
     want = torch.sparse_coo if sparse_only else torch.strided
     for group in todo:
         ops = new_operands(n)
-        if len(group) > 0 and params[group[0]].is_complex():
-            # A group is of one dtype (``_flat.layout``; flat buffers are never complex).
-            _gather_complex(ops, fits, params, state, group, gradients, keys, fills, scalars,
-                            want, sparse_too, refusal, fused, created, sparse_ops)
-            live.append(ops)
-            continue
         # The lists as locals: each ops[k] in the loop would be an interpreter instruction
         # per parameter (this loop is the per-parameter cost of every step).
         p_list, g_list = ops[0], ops[1]
@@ -248,60 +242,11 @@ def _gather_groups(
                         p.is_contiguous() and g.is_contiguous()
                         and (klay == "" or entry[klay].is_contiguous())
                     )
+        if len(group) > 0 and params[group[0]].is_complex():
+            # A group is of one dtype (``_flat.layout``; flat buffers are never complex).
+            ops = real_views(ops, scalars)
         live.append(ops)
         fits.append(fit)
-
-
-def _gather_complex(
-    ops: List[List[Tensor]],
-    fits: List[bool],
-    params: List[Tensor],
-    state: Dict[int, Dict[str, Tensor]],
-    group: List[int],
-    gradients: List[Optional[Tensor]],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
-    want: int,
-    sparse_too: bool,
-    refusal: str,
-    fused: bool,
-    created: List[int],
-    sparse_ops: List[List[Tensor]],
-) -> None:
-    """``_gather_groups``' pass over a group of complex parameters: their operands are the
-    ``view_as_real`` views of the parameter, its gradient and its non-scalar state, as
-    torch.optim steps complex parameters (each real and imaginary part as one real
-    element), so every update function and fused kernel runs on real tensors. The state
-    itself stays complex, as torch.optim keeps it."""
-    fit = False
-    for i in group:
-        g = gradients[i]
-        if g is not None:
-            p = params[i]
-            if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != want or g.device != p.device:
-                if sparse_too and g.is_sparse and g.is_same_size(p) and g.dtype == p.dtype and g.device == p.device:
-                    _gather_one(sparse_ops, p, g, state, i, keys, fills, scalars, created)
-                    continue
-                refuse(state, created, i, g, p, refusal)
-            if i not in state:
-                state[i] = new_state(p, keys, fills, scalars)
-                created.append(i)
-            entry = state[i]
-            rp = torch.view_as_real(p)
-            rg = torch.view_as_real(g.resolve_conj())
-            ops[0].append(rp)
-            ops[1].append(rg)
-            lay = rp
-            for k in range(len(keys)):
-                value = entry[keys[k]]
-                if not scalars[k]:
-                    value = torch.view_as_real(value)
-                    lay = value
-                ops[k + 2].append(value)
-            if fused and not fit:
-                fit = not (rp.is_contiguous() and rg.is_contiguous() and lay.is_contiguous())
-    fits.append(fit)
 
 
 def _gather_one(
@@ -326,12 +271,18 @@ def _gather_one(
         ops[k + 2].append(entry[keys[k]])
 
 
-def real_views(ops: List[List[Tensor]]) -> List[List[Tensor]]:
-    """An operand set of complex tensors as their ``view_as_real`` views (a conjugate's
-    resolved first), for the kernels, which take real tensors only."""
+def real_views(ops: List[List[Tensor]], scalars: List[int]) -> List[List[Tensor]]:
+    """An operand set ``[params, grads, state[keys[0]], ...]`` of complex parameters with
+    every complex tensor as its ``view_as_real`` view (a conjugate's resolved first): the
+    kernels take real tensors only, and torch.optim steps a complex parameter's real and
+    imaginary parts as real elements. The scalar state (``scalars[k]``: ``step``, ...) is
+    real already. The state itself stays complex, as torch.optim keeps it."""
     out: List[List[Tensor]] = []
-    for tensors in ops:
-        out.append([torch.view_as_real(t.resolve_conj()) for t in tensors])
+    for k in range(len(ops)):
+        if k >= 2 and scalars[k - 2]:
+            out.append(ops[k])
+        else:
+            out.append([torch.view_as_real(t.resolve_conj()) for t in ops[k]])
     return out
 
 

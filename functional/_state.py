@@ -7,6 +7,7 @@ is a copy plus the hyper-parameters.
 """
 import copy
 import inspect
+import numbers
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -35,6 +36,34 @@ def group_keys(torch_cls: type) -> List[str]:
     return [n for n in sig.parameters if n not in _NOT_GROUP_KEYS]
 
 
+def torch_group(torch_cls: type, group: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of a state_dict's param ``group`` with the keys ``torch_cls.load_state_dict``
+    adds: a state_dict saved by an older torch lacks the options added since (``maximize``,
+    ``foreach``, ``decoupled_weight_decay``, ...), and torch.optim loads it with their
+    defaults. The class's own ``__setstate__`` (which unpickling runs, and ``load_state_dict``
+    ends with) fills them in, run on a bare instance, so no copy of its defaults can drift
+    from torch's. A class whose ``__setstate__`` cannot run so fills nothing.
+    """
+    filled = dict(group)
+    holder = torch_cls.__new__(torch_cls)
+    try:
+        holder.__setstate__({"defaults": {}, "state": {}, "param_groups": [filled]})
+    except Exception:  # a registered class of the user's, with its own __setstate__
+        return dict(group)
+    return filled
+
+
+def held_value(obj: Any, key: str) -> Any:
+    """The hyper-parameter ``key`` that the functional optimizer ``obj`` steps with now, as a
+    torch.optim param group holds it: a Tensor lr or Tensor betas given to the constructor
+    (perhaps changed in place since) as copies, else a copy of the attribute."""
+    if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
+        return obj.lr_tensor.clone()
+    if key == "betas" and getattr(obj, "betas_tensor", None) is not None:
+        return tuple(t.clone() for t in obj.betas_tensor)
+    return copy.deepcopy(getattr(obj, key))
+
+
 def to_torch_state_dict(optim: Any, torch_cls: type, clone: bool = True) -> Dict[str, Any]:
     """The state of ``optim`` as ``torch_cls().state_dict()`` would give it.
 
@@ -51,10 +80,7 @@ def to_torch_state_dict(optim: Any, torch_cls: type, clone: bool = True) -> Dict
     obj = _instance(optim)
     group: Dict[str, Any] = {}
     for key in group_keys(torch_cls):
-        if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
-            group[key] = obj.lr_tensor.clone()
-        else:
-            group[key] = copy.deepcopy(getattr(obj, key))
+        group[key] = held_value(obj, key)
     group["params"] = list(range(len(obj.params)))
     state = {
         int(i): {k: _to_torch_value(torch_cls, k, v, clone) for k, v in entry.items()}
@@ -72,7 +98,7 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
     groups = state_dict["param_groups"]
     if len(groups) != 1:
         raise ValueError(f"Invalid state_dict: {len(groups)} param groups (expected 1)")
-    group = groups[0]
+    group = torch_group(torch_cls, groups[0])
     expected = set(group_keys(torch_cls)) | {"params"}
     missing = sorted(expected - set(group))
     if missing:
@@ -123,13 +149,13 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
     """
     check_torch_state_dict(optim, torch_cls, state_dict)
     obj = _instance(optim)
-    group = state_dict["param_groups"][0]
+    group = torch_group(torch_cls, state_dict["param_groups"][0])
     changes: Dict[str, List[float]] = {}
     settable: Optional[List[str]] = None
     for key in group_keys(torch_cls):
         if key in IMPLEMENTATION_KEYS:
             continue
-        new, old = group[key], getattr(obj, key)
+        new, old = group[key], held_value(obj, key)
         if key == "lr" and isinstance(new, Tensor):
             new = float(new.item())
         if _same(new, old):
@@ -249,8 +275,9 @@ def _same(a: Any, b: Any) -> bool:
 def hyperparameter_values(name: str, value: Any) -> List[float]:
     """A hyper-parameter as the list of floats ``set_hyperparameter`` takes.
 
-    A Tensor (lr) gives its elements, a pair (betas) its two numbers; Adafactor's
-    ``eps=(None, eps2)`` gives the number alone, which its setter reads as ``(None, eps2)``.
+    A Tensor (lr) gives its elements, a pair (betas) its two numbers (each a number or a
+    1-element Tensor); Adafactor's ``eps=(None, eps2)`` gives the number alone, which its
+    setter reads as ``(None, eps2)``.
 
     Raises:
         TypeError: for booleans, None, strings and other values no functional optimizer can
@@ -264,7 +291,11 @@ def hyperparameter_values(name: str, value: Any) -> List[float]:
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """One number of a hyper-parameter: a Python or numpy number, or a 1-element Tensor (Adam's
+    Tensor betas), as torch.optim computes with them."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype == torch.bool:
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"Invalid {name}: {value!r} (expected a number)")
     return float(value)
 
@@ -279,7 +310,7 @@ def settable_hyperparameters(optim: Any, keys: List[str]) -> List[str]:
     settable = []
     for key in keys:
         try:
-            optim.set_hyperparameter(key, hyperparameter_values(key, getattr(obj, key)))
+            optim.set_hyperparameter(key, hyperparameter_values(key, held_value(obj, key)))
         except Exception:  # TorchScript raises its own error types for unknown names
             continue
         settable.append(key)

@@ -220,7 +220,9 @@ class FunctionalAdagrad:
             self.state[i] = new_state(params[i], self.keys, self.fills(), self.scalars)
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter between steps (lr, lr_decay, weight_decay, eps).
+        """Change a hyper-parameter between steps (lr, lr_decay, weight_decay, eps,
+        initial_accumulator_value: the start of state made from now on, so that a torch.optim
+        state_dict saved with another value loads, as torch.optim loads it).
 
         Values are lists so that every class shares the signature (pairs take two).
         """
@@ -232,9 +234,14 @@ class FunctionalAdagrad:
             self.weight_decay = scalar(name, value)
         elif name == "eps":
             self.eps = scalar(name, value)
+        elif name == "initial_accumulator_value":
+            self.initial_accumulator_value = scalar(name, value)
         else:
             raise ValueError(
-                unknown_hyperparameter("Adagrad", name, ["lr", "lr_decay", "weight_decay", "eps"])
+                unknown_hyperparameter(
+                    "Adagrad", name,
+                    ["lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"],
+                )
             )
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:

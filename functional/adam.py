@@ -26,11 +26,13 @@ from functional._common import (
     index_of,
     lr_float,
     lr_tensor,
+    new_pair,
     one_gradient,
     optional_flag,
-    pair,
+    pair_of,
     scalar,
     step_lr,
+    tensor_pair,
     unknown_hyperparameter,
     use_fused_kernel,
 )
@@ -156,7 +158,9 @@ class FunctionalAdam:
     Args:
         params: the parameters to update, in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
-        betas: coefficients of the running averages of the gradient and its square.
+        betas: coefficients of the running averages of the gradient and its square (two
+            floats, or two 1-element Tensors read at every step, so that changing them in
+            place takes effect, as in torch.optim).
         eps: term added to the denominator for numerical stability.
         weight_decay: L2 penalty (decoupled from the gradient when
             ``decoupled_weight_decay``).
@@ -208,6 +212,10 @@ class FunctionalAdam:
         self.lr = lr_float(lr)
         self.lr_tensor = lr_tensor(lr)
         self.betas = (float(betas[0]), float(betas[1]))
+        # Tensor betas are read at every step (``pair_of``), as a Tensor lr is.
+        self.betas_tensor = torch.jit.annotate(Optional[List[Tensor]], None)
+        if not torch.jit.is_scripting():
+            self.betas_tensor = tensor_pair(betas)
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.amsgrad = bool(amsgrad)  # the fused kernels take no int or None
@@ -234,8 +242,7 @@ class FunctionalAdam:
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "betas":
-            betas = pair(name, value)
-            self.betas = (betas[0], betas[1])
+            self.betas = new_pair(name, self.betas_tensor, value)
         elif name == "eps":
             self.eps = scalar(name, value)
         elif name == "weight_decay":
@@ -270,6 +277,7 @@ class FunctionalAdam:
         # The fused kernel takes a float lr; a capturable foreach step reads a Tensor lr on
         # its device.
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable and not self.use_fused)
+        beta1, beta2 = pair_of(self.betas, self.betas_tensor, self.capturable)
         with torch.no_grad():
             fits = gather(
                 self.live, self.params, self.state, self.groups, gradients, self.keys,
@@ -279,7 +287,7 @@ class FunctionalAdam:
             )
             for g in range(len(fits)):
                 adam_update(
-                    self.live[g], fits[g], lr, self.betas[0], self.betas[1], self.eps,
+                    self.live[g], fits[g], lr, beta1, beta2, self.eps,
                     self.weight_decay, self.amsgrad, self.maximize,
                     self.decoupled_weight_decay, self.use_fused, self.capturable, lr_t,
                 )

@@ -162,8 +162,8 @@ def _sgd_group(
                     first_fit = not (p.is_contiguous() and g.is_contiguous())
     if len(group) > 0 and params[group[0]].is_complex():
         # torch.optim steps complex parameters as real pairs (a group is of one dtype).
-        first = real_views(first)
-        later = real_views(later)
+        first = real_views(first, [0])
+        later = real_views(later, [0])
     live.append(first)
     live.append(later)
     fits.append(first_fit)

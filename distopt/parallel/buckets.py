@@ -7,13 +7,16 @@ fixed at construction, so every rank issues the same collectives in the same ord
 
 A bucket's buffer holds every gradient, one after the other, followed by one "used" flag per
 parameter: the reduction sums the flags too, so after it every rank knows which parameters
-got a gradient on some rank (the others are left untouched, as DDP's
-``find_unused_parameters`` leaves them).
+got a gradient on some rank; the others keep the ``.grad`` this rank had (None, or a zero
+tensor after ``zero_grad(set_to_none=False)``), as DDP's ``find_unused_parameters`` leaves
+it.
 """
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from distopt._torch import version
 
 __all__ = ["Bucket", "assign_buckets"]
 
@@ -36,6 +39,11 @@ class Bucket:
         launched: whether this window's reduction of the bucket has been started.
         last: whether it is the last bucket reduced in a step (torch's PowerSGD state
             counts a step there); ``assign_buckets`` marks it, DDP's hooks per call.
+        kept: slot -> (``.grad``, its values) of each parameter this rank did not use in
+            the window but that had a gradient when the bucket was filled: if no rank used
+            it, ``leave_unused`` gives it back (DDP leaves such a ``.grad`` as it is).
+        stepped: after the bucket was stepped in this window, the buffer's version and each
+            parameter's ``.grad`` then (``changed_since_step``); None before.
     """
 
     def __init__(self, index: int, params: List[Tensor], positions: List[int]) -> None:
@@ -60,6 +68,8 @@ class Bucket:
         self.pending = len(params)
         self.launched = False
         self.last = False
+        self.kept: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.stepped: Optional[Tuple[int, List[Optional[Tensor]]]] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,6 +78,8 @@ class Bucket:
     def reset(self) -> None:
         """Forget the window that ended (its gradients stay in the buffer)."""
         self.used = [False] * len(self.params)
+        self.kept = {}
+        self.stepped = None
         self.rearm()
 
     def rearm(self) -> None:
@@ -75,9 +87,49 @@ class Bucket:
         self.pending = len(self.params)
         self.launched = False
 
+    def mark_stepped(self) -> None:
+        """Remember the gradients the step just read (see ``changed_since_step``)."""
+        self.stepped = (version(self.buffer), [p.grad for p in self.params])
+
+    def changed_since_step(self) -> bool:
+        """Whether a ``.grad`` was replaced, set to None or changed in place (in the buffer)
+        since ``mark_stepped``."""
+        if self.stepped is None:
+            return False
+        seen, grads = self.stepped
+        return version(self.buffer) != seen or any(
+            p.grad is not g for p, g in zip(self.params, grads)
+        )
+
     def fill_flags(self) -> None:
         """Write ``used`` into the flag part of the buffer."""
         self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
+
+    def keep(self, slot: int, grad: Tensor) -> None:
+        """Remember the ``.grad`` of a parameter this rank did not use, before the
+        reduction writes the average over it (a copy of its values if it is the bucket's
+        view)."""
+        self.kept[slot] = (grad, grad.clone() if grad is self.grads[slot] else grad)
+
+    def leave_unused(self) -> List[int]:
+        """After the reduction: give each parameter no rank used its ``.grad`` back as this
+        rank had it (a zero tensor stays one, and is stepped, as under DDP with
+        ``find_unused_parameters=True`` and torch.optim), and return the slots of those
+        whose ``.grad`` is None (left untouched)."""
+        untouched = []
+        for k, flag in enumerate(self.flags.tolist()):
+            if flag != 0:
+                continue
+            kept = self.kept.get(k)
+            if kept is None:
+                self.params[k].grad = None
+                untouched.append(k)
+            else:
+                grad, values = kept
+                with torch.no_grad():  # a gradient made with create_graph=True has a history
+                    self.grads[k].copy_(values)  # what the step reads
+                self.params[k].grad = grad
+        return untouched
 
 
 def assign_buckets(

@@ -4,9 +4,12 @@ Every scheme here runs in two halves: ``issue`` (on the communication thread: en
 the collective) and ``finish`` (wait, decode into the bucket's buffer, which then holds the
 average of the ranks' gradients and, in its flag part, how many ranks used each parameter).
 
-- no compression: the buffer is divided by the world size and all-reduced (SUM) in place.
+- no compression: the buffer is divided by the world size and all-reduced (SUM) in place;
+  a complex one as its ``view_as_real``.
 - ``Cast(dtype)``: the same in ``float16`` or ``bfloat16``; dividing first keeps float16 from
   overflowing where the sum of W gradients would.
+- The sparsifying schemes and PowerSGD take real gradients only (``check_params`` names a
+  complex parameter at construction).
 - ``TopK(ratio)`` and ``Threshold(value)`` (Apache SINGA's sparsification with error
   correction): each rank keeps the residual :math:`r` of what it did not send, adds it to its
   next gradient, :math:`a = g + r`, sends the chosen elements of :math:`a` as packed
@@ -16,7 +19,7 @@ average of the ranks' gradients and, in its flag part, how many ranks used each 
   ranks hold the same average.
 """
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,9 +46,13 @@ class Compression:
     Attributes:
         error_feedback: whether each rank keeps a residual per parameter (``state_dict``
             holds it under ``"residuals"``).
+        takes_complex: whether the scheme carries complex gradients (as their real and
+            imaginary parts, as gloo reduces them); the sparsifying and factorizing schemes
+            choose or factor real values and do not.
     """
 
     error_feedback = False
+    takes_complex = False
 
     def bound(self, group: Any, rank: int, world_size: int, buckets: List[Bucket]) -> "Compression":
         """The scheme as one optimizer uses it, once its communication group is known (a
@@ -62,9 +69,23 @@ class Compression:
         it; raise ValueError naming what does not fit, changing nothing."""
         return lambda: None
 
+    def check_params(self, named: Iterable[Tuple[str, Tensor]]) -> None:
+        """Raise ValueError naming the first complex parameter of ``(name, parameter)``
+        pairs, unless the scheme carries complex gradients; call it before ``check_bucket``,
+        which knows no names."""
+        if self.takes_complex:
+            return
+        for name, p in named:
+            if p.is_complex():
+                raise ValueError(
+                    f"Invalid params: {name} is complex ({p.dtype}) (expected real "
+                    f"parameters: compression={self!r} carries real gradients only; "
+                    f"complex ones travel with compression None or Cast)"
+                )
+
     def check_bucket(self, bucket: Bucket) -> None:
         """Raise ValueError if the scheme cannot carry this bucket's dtype."""
-        if not bucket.dtype.is_floating_point:
+        if not (bucket.dtype.is_floating_point or (self.takes_complex and bucket.dtype.is_complex)):
             raise ValueError(
                 f"Invalid compression: {self!r} on {bucket.dtype} gradients (expected "
                 f"floating-point parameters)"
@@ -89,7 +110,10 @@ class Compression:
 
 
 class _Dense(Compression):
-    """No compression: divide by the world size, all_reduce (SUM) the buffer in place."""
+    """No compression: divide by the world size, all_reduce (SUM) the buffer in place. A
+    complex buffer travels as its real view (each element as two), as gloo reduces it."""
+
+    takes_complex = True
 
     def __init__(self, dtype: Optional[torch.dtype] = None) -> None:
         self.dtype = dtype
@@ -98,21 +122,24 @@ class _Dense(Compression):
         return "None"
 
     def issue(self, bucket: Bucket, group: Any, world_size: int) -> Any:
-        if self.dtype is None or self.dtype == bucket.dtype:
-            wire = bucket.buffer.div_(world_size)
+        values = _real(bucket.buffer)
+        if self.dtype is None or self.dtype == values.dtype:
+            wire = values.div_(world_size)
         else:
-            wire = bucket.buffer.div(world_size).to(self.dtype)
+            wire = values.div(world_size).to(self.dtype)
         return wire, dist.all_reduce(wire, group=group, async_op=True)
 
     def finish(self, pending: Any, bucket: Bucket, world_size: int) -> None:
         wire, work = pending
         work.wait()
-        if wire is not bucket.buffer:
-            bucket.buffer.copy_(wire)
+        values = _real(bucket.buffer)
+        if wire.dtype != values.dtype:
+            values.copy_(wire)
 
     def bytes_per_step(self, numels: List[Tuple[int, int]], dtype: torch.dtype,
                        world_size: int) -> float:
-        size = _element_size(self.dtype or dtype)
+        real = dtype.to_real() if dtype.is_complex else dtype
+        size = _element_size(self.dtype or real) * (2 if dtype.is_complex else 1)
         elements = sum(n + k for n, k in numels)
         return 2.0 * (world_size - 1) / world_size * elements * size
 
@@ -127,7 +154,8 @@ class Cast(_Dense):
 
     Each rank divides its gradients by the world size in their own precision, casts them,
     and the sum comes back cast to the parameters' dtype. bfloat16 works on CPU (gloo) too,
-    unlike torch's ``bf16_compress_hook``.
+    unlike torch's ``bf16_compress_hook``. A complex gradient is cast part by part (its
+    ``view_as_real``), where a plain cast to a real dtype would drop the imaginary part.
 
     Args:
         dtype: ``torch.float16`` or ``torch.bfloat16``.
@@ -318,6 +346,11 @@ _SAMPLE = 65536
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _real(buffer: Tensor) -> Tensor:
+    """``buffer``, or its ``view_as_real`` when complex (what is divided, cast and sent)."""
+    return torch.view_as_real(buffer) if buffer.is_complex() else buffer
 
 
 def _index_dtype(bucket: Bucket) -> torch.dtype:

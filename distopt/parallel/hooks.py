@@ -34,7 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 from distopt import _torch
 from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.local_optimizer import CompiledLocalOptimizer
-from distopt.param_groups import as_keywords, pending_changes, snapshot
+from distopt.param_groups import (
+    as_keywords,
+    built_groups,
+    check_groups,
+    pending_changes,
+    snapshot,
+)
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.optimizer import _group_info, _param_groups, saved_layout
@@ -142,7 +148,8 @@ class CompressionHookState:
             ``grad_bucket.buffer()``.
 
         Raises:
-            ValueError: a sparse or integer gradient, or what ``before_first_bucket``
+            ValueError: a sparse or integer gradient, a complex one the compression cannot
+                carry (TopK, Threshold, PowerSGD; named), or what ``before_first_bucket``
                 raised; RuntimeError: a collective could not be issued (naming this rank and
                 the bucket).
         """
@@ -151,7 +158,7 @@ class CompressionHookState:
             self._before_first()
         ddp_buffer = grad_bucket.buffer()
         bucket = self._bucket(index, grad_bucket.parameters(), ddp_buffer)
-        bucket.buffer[:bucket.numel].copy_(ddp_buffer)
+        _as_ddp_lays_out(bucket).copy_(ddp_buffer)
         if self._tracked is not None:
             bucket.used = [id(p) in self._used or id(p) not in self._tracked
                            for p in bucket.params]
@@ -187,7 +194,8 @@ class CompressionHookState:
                 f"embeddings with sparse=False)"
             )
         bucket = Bucket(index, list(params), list(range(len(params))))
-        if bucket.numel != ddp_buffer.numel() or bucket.dtype != ddp_buffer.dtype:
+        expected = _as_ddp_lays_out(bucket)
+        if expected.numel() != ddp_buffer.numel() or expected.dtype != ddp_buffer.dtype:
             raise RuntimeError(
                 f"Invalid DDP bucket {index}: its buffer holds {ddp_buffer.numel()} "
                 f"{ddp_buffer.dtype} elements, its parameters {bucket.numel} {bucket.dtype} "
@@ -199,6 +207,10 @@ class CompressionHookState:
             for g, p, o in zip(bucket.grads, bucket.params, bucket.offsets)
         ]
         if self.compression is not None:
+            self.compression.check_params(
+                (f"the parameter of shape {tuple(p.shape)} in DDP bucket {index}", p)
+                for p in bucket.params
+            )
             self.compression.check_bucket(bucket)
         if self._codec.error_feedback:
             bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
@@ -310,7 +322,14 @@ def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
             continue
         # A view at storage offset 0: DDP reads its parameters' gradients from the value
         # with as_strided at their offsets in the bucket.
-        future.set_result(bucket.buffer[:bucket.numel])
+        future.set_result(_as_ddp_lays_out(bucket))
+
+
+def _as_ddp_lays_out(bucket: Bucket) -> Tensor:
+    """The gradient part of ``bucket``'s buffer as DDP's bucket holds it: complex gradients
+    as their real and imaginary parts (DDP's buffer of complex parameters is real)."""
+    grads = bucket.buffer[:bucket.numel]
+    return torch.view_as_real(grads).view(-1) if grads.is_complex() else grads
 
 
 def _value(future: "torch.futures.Future[Tensor]") -> Tensor:
@@ -347,6 +366,11 @@ def compression_hook(
       per parameter what it did not send, :math:`r \leftarrow g + r - \text{sent}`, through
       DDP's rebuild of its buckets (``state.residual(param)``).
 
+    Complex gradients travel as their real and imaginary parts with None and ``Cast``; the
+    other schemes carry real gradients only, and the first backward pass that hands one of
+    them a complex parameter's bucket raises ValueError naming it (the hook does not know the
+    model before).
+
     The gradients travel with one flag per parameter, always "used" (DDP itself leaves the
     parameters no rank used alone, with ``find_unused_parameters=True``); with error
     feedback there, ``state.track_usage(model.parameters())`` makes a parameter this rank did
@@ -382,11 +406,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
     Hyper-parameters: change ``param_groups`` (by hand or with any lr scheduler) between
     backward passes; the change reaches the compiled steps when DDP hands over the first
     bucket of the next backward pass, before any collective. A key the compiled class cannot
-    change (``amsgrad``...) raises ValueError there.
+    change (``amsgrad``...) raises ValueError there. The groups, their ``params`` and their
+    keys are fixed at construction: an edit (a parameter appended, removed or replaced, a
+    group added or removed, a key deleted) raises ValueError there too, naming the group and
+    the change, and at ``step``, ``state_dict`` and ``load_state_dict``.
 
-    With ``find_unused_parameters=True`` a parameter that no rank gave a gradient is left
-    alone (one post-accumulate-grad hook per parameter tells), as torch.optim leaves a
-    parameter whose ``.grad`` DDP leaves None.
+    With ``find_unused_parameters=True`` a parameter that no rank gave a gradient (one
+    post-accumulate-grad hook per parameter tells) steps with the ``.grad`` DDP leaves it,
+    as torch.optim would: left alone when it is None, stepped when it is a tensor (zeros
+    after ``zero_grad(set_to_none=False)``: momentum and weight decay still move it).
 
     ``state_dict`` / ``load_state_dict`` are torch.optim's format (they move to and from a
     local torch.optim optimizer), plus ``"residuals"`` (global index -> this rank's residual)
@@ -406,7 +434,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         TypeError: ``ddp_model`` is not a DistributedDataParallel; a class with no
             functional twin, or SparseAdam; a bad argument (torch.optim's checks too).
         ValueError: a parameter DDP does not reduce (not in ``ddp_model.module``, frozen,
-            or ignored through ``_ddp_params_and_buffers_to_ignore``).
+            or ignored through ``_ddp_params_and_buffers_to_ignore``); a complex parameter
+            of the model with a compression that carries real gradients only (TopK,
+            Threshold, PowerSGD), named.
     """
 
     def __init__(
@@ -429,6 +459,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # torch.optim's own checks and defaults (the step is the compiled one).
         inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
         _check_reduced_by(ddp_model, inner.param_groups)
+        if isinstance(compression, Compression):  # every parameter DDP reduces goes through it
+            compression.check_params(_reduced_by(ddp_model))
         self.optimizer_class = optimizer_class
         self.compression = compression
         self.defaults = inner.defaults
@@ -459,6 +491,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
         self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
         self._settable = self._local.settable(self._hyper_keys)
+        #: What ``param_groups`` must keep: the compiled steps and bucket plans are built once.
+        self._built = built_groups(
+            type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
+        )
         self._plans: Dict[int, Tuple[Bucket, _Plan]] = {}  # by DDP bucket index
         self._skips_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
         if self._skips_unused:
@@ -481,6 +517,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        check_groups(self.param_groups, self._built)
         if closure is None:
             return None
         with torch.enable_grad():
@@ -489,6 +526,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _apply_changes(self) -> None:
         """Hyper-parameters changed in ``param_groups`` since the last backward pass reach the
         compiled steps (hook thread, before bucket 0 is sent; no step is in flight then)."""
+        check_groups(self.param_groups, self._built)
         changes = pending_changes(
             self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
         )
@@ -510,7 +548,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 grads = list(grads)
                 for k, s in slots:
                     if s in unused:
-                        grads[k] = None
+                        # DDP leaves its .grad as it is: None, or a tensor torch.optim steps
+                        grads[k] = bucket.params[s].grad
             self._step_group(j, grads)
 
     def _plan(self, bucket: Bucket) -> _Plan:
@@ -533,6 +572,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
         (global index -> this rank's residual, for the parameters this rank has one of)."""
+        check_groups(self.param_groups, self._built)
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state = self._local.torch_state()
@@ -562,8 +602,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
         Raises:
             ValueError: another group count, parameter count, shape, a hyper-parameter of
-                the wrong kind, or a state entry that does not fit, named.
+                the wrong kind, or a state entry that does not fit, named; or
+                ``param_groups`` were edited since construction.
         """
+        check_groups(self.param_groups, self._built)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -661,16 +703,21 @@ def _check_dense_functional(optimizer_class: Any) -> None:
         )
 
 
-def _check_reduced_by(ddp_model: DistributedDataParallel, groups: Sequence[Dict[str, Any]]) -> None:
-    """Every parameter must be one DDP reduces (DDP's own rule: the module's parameters
-    that require grad and are not ignored)."""
+def _reduced_by(ddp_model: DistributedDataParallel) -> List[Tuple[str, Tensor]]:
+    """The parameters DDP reduces, with their names (DDP's own rule: the module's
+    parameters that require grad and are not ignored)."""
     ignored = getattr(ddp_model, "parameters_to_ignore", set())
-    reduced = {
-        id(p)
+    return [
+        (f"{module_name}.{name}" if module_name else name, p)
         for module_name, module in ddp_model.module.named_modules()
         for name, p in module.named_parameters(recurse=False)
         if p.requires_grad and f"{module_name}.{name}" not in ignored
-    }
+    ]
+
+
+def _check_reduced_by(ddp_model: DistributedDataParallel, groups: Sequence[Dict[str, Any]]) -> None:
+    """Every parameter must be one DDP reduces."""
+    reduced = {id(p) for _, p in _reduced_by(ddp_model)}
     for j, g in enumerate(groups):
         for k, p in enumerate(g["params"]):
             if id(p) not in reduced:

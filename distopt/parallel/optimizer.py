@@ -25,7 +25,13 @@ from torch import Tensor
 from distopt import _torch
 from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.local_optimizer import CompiledLocalOptimizer
-from distopt.param_groups import as_keywords, pending_changes, snapshot
+from distopt.param_groups import (
+    as_keywords,
+    built_groups,
+    check_groups,
+    pending_changes,
+    snapshot,
+)
 from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel import shard as _shard
 from distopt.parallel.buckets import Bucket, assign_buckets
@@ -34,6 +40,7 @@ from distopt.parallel.reducer import GradientReducer
 from distopt.parallel.sync import RoundRobin, average_, collective_device, partition
 from functional import functional_optim_map
 from functional._state import check_hyperparameter
+from functional._validation import duplicate_pair
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +64,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     ``state_dict`` / ``load_state_dict`` in torch.optim's format (plus ``"residuals"`` with
     error feedback and ``"sync"`` with ``RoundRobin``), ``zero_grad``. When the reducing
     backward pass returns, each parameter's ``.grad`` holds the averaged gradient (a view of
-    its bucket), as with DDP.
+    its bucket), as with DDP. Hyper-parameters in ``param_groups`` may change between steps;
+    the groups, their ``params`` and their keys are fixed with the buckets: an edit raises
+    ValueError, naming the group and the change, at the next backward, ``step``,
+    ``clip_grad_norm_`` or state round, before anything is sent or stepped.
 
     At construction every rank's buckets are checked to be alike (one all_gather) and the
     parameters are broadcast from the group's first rank, as DDP does. ``close()`` (or a
@@ -74,7 +84,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             rank belongs to.
         bucket_cap_mb: the most gradient megabytes (2**20 bytes) in one bucket.
         compression: None, ``Cast(dtype)``, ``TopK(ratio)``, ``Threshold(value)`` or
-            ``PowerSGD(...)``.
+            ``PowerSGD(...)`` (the last three for real parameters only: a complex one is
+            refused, named).
         backward_passes_per_step: backward passes whose gradients accumulate (summed, as
             under DDP's ``no_sync``) before one reduction; ``step()`` after fewer passes
             reduces what accumulated.
@@ -158,6 +169,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         )
         #: Global index -> parameter, for every parameter in a bucket.
         self._bucketed = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
+        if compression is not None:
+            compression.check_params(
+                (f"parameter {i} (shape {tuple(all_params[i].shape)})", all_params[i])
+                for i in trained
+            )
         for bucket in self._buckets:
             if compression is not None:
                 compression.check_bucket(bucket)
@@ -209,6 +225,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._settable = (
             self._local.settable(self._hyper_keys) if self._local is not None else None
         )
+        #: What ``param_groups`` must keep: the buckets and compiled steps are built once.
+        self._built = built_groups(
+            type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
+        )
 
         self._round = 0
         self._partitions: List[List[int]] = []
@@ -249,7 +269,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         """Finish averaging this step's gradients and update the parameters.
 
         Waits for every bucket (with ``overlap=True`` most were stepped during backward).
-        Parameters no rank gave a gradient since the last step are left untouched.
+        A parameter no rank gave a gradient since the last step keeps the ``.grad`` it had,
+        as under DDP with ``find_unused_parameters=True``: None, and it is left untouched;
+        a tensor (zeros after ``zero_grad(set_to_none=False)``), and it is stepped with it,
+        as torch.optim steps it.
 
         Args:
             closure: as torch.optim's: reevaluates the model and returns the loss.
@@ -257,6 +280,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: a collective failed (another rank died, raised or timed out),
                 naming this rank and the bucket; every later step raises it again.
+            ValueError: ``param_groups`` were edited in a way the buckets cannot follow
+                (``distopt.param_groups.check_groups``: a group's ``params`` replaced or
+                changed in place, a group added or removed, a key deleted), before
+                anything is stepped (the reducing backward refused it already).
         """
         loss = None
         if closure is not None:
@@ -271,6 +298,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "Invalid step: this DataParallelOptimizer is closed (by close(), its `with` "
                 "block, or a newer DataParallelOptimizer over the same parameters)"
             )
+        # Before anything is completed or stepped: restored, the next step() finishes this one.
+        check_groups(self.param_groups, self._built)
         if self.sync is not None:
             self._local_step_and_average()
             return loss
@@ -287,6 +316,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     f"refused, so this step's gradients are no longer the averages; the step "
                     f"is dropped (expected zero_grad() and this step's backward again)"
                 )
+            if stepped and poisoned is None and not self._reducer.broken:
+                self._check_grads_kept()
             if self._apply_changes() and stepped and not self._warned_late_change:
                 self._warned_late_change = True
                 warnings.warn(
@@ -303,6 +334,21 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._reducer.reset()
         return loss
 
+    def _check_grads_kept(self) -> None:
+        """With overlap=True the buckets were stepped during backward: a ``.grad`` changed
+        after that (DDP + torch.optim would step the change) cannot be applied any more."""
+        changed = [i for b in self._buckets if b.changed_since_step() for i in b.positions]
+        if changed:
+            raise RuntimeError(
+                f"Invalid step: the .grad of parameters {changed[:10]}"
+                f"{'...' if len(changed) > 10 else ''} changed between backward and step() "
+                f"(replaced, set to None, or changed in place: torch.nn.utils.clip_grad_norm_,"
+                f" zero_grad(), a scaling), but with overlap=True their buckets were stepped "
+                f"during backward with the averaged gradients, so the change is not applied "
+                f"(expected DataParallelOptimizer(..., overlap=False) to change gradients "
+                f"before step())"
+            )
+
     def _check_untrained(self) -> None:
         late = [i for i, p in self._untrained if p.requires_grad and p.grad is not None]
         if late:
@@ -316,6 +362,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def _before_reduction(self) -> None:
         if self._untrained:
             self._check_untrained()  # before any bucket is sent or stepped
+        check_groups(self.param_groups, self._built)
         self._apply_changes()
 
     def _apply_changes(self) -> bool:
@@ -337,6 +384,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         bucket.unused = unused
         if self.overlap and self._eager is None:
             self._step_bucket(bucket)
+            bucket.mark_stepped()
 
     def _step_bucket(self, bucket: Bucket) -> None:
         unused = set(getattr(bucket, "unused", ()))
@@ -353,6 +401,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def _step_all(self) -> None:
         if self._eager is None:
             for bucket in self._buckets:
+                self._take_user_grads(bucket)
                 self._step_bucket(bucket)
         elif self.shard is None:
             self._eager.step()
@@ -360,6 +409,23 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._eager_step_own()
         if self.shard is not None:
             self._gather_all()
+
+    def _take_user_grads(self, bucket: Bucket) -> None:
+        """Step the ``.grad`` the user left after backward, as torch.optim would: one set
+        to None is skipped, one replaced (``p.grad = p.grad * c``) is copied into the
+        bucket, where the compiled step reads it."""
+        skipped = []
+        for slot, (p, view) in enumerate(zip(bucket.params, bucket.grads)):
+            if p.grad is view:
+                continue
+            grad = _dense_grad(bucket, slot)
+            if grad is None:
+                skipped.append(slot)
+            else:
+                with torch.no_grad():  # a gradient made with create_graph=True has a history
+                    view.copy_(grad)
+        if skipped:
+            bucket.unused = sorted(set(getattr(bucket, "unused", ())) | set(skipped))
 
     def _eager_step_own(self) -> None:
         """Sharded eager step: the other ranks' parameters are hidden from the eager
@@ -415,8 +481,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         out = []
         for p, entry in zip(params, entries):
             for key, value in entry.items():
-                if (key != "step" and isinstance(value, Tensor) and value.is_floating_point()
-                        and value.shape == p.shape):
+                if (key != "step" and isinstance(value, Tensor) and value.shape == p.shape
+                        and (value.is_floating_point() or value.is_complex())):
                     out.append(value)
         return out
 
@@ -454,7 +520,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: buckets step during backward (``overlap=True`` with a compiled
                 class), so there is nothing left to clip: build with ``overlap=False``.
+            ValueError: ``param_groups`` no longer hold the parameters it was built with
+                (``distopt.param_groups.check_groups``).
         """
+        check_groups(self.param_groups, self._built)
         params = [p for b in self._buckets for p in b.params]
         if self.sync is not None:
             grads = [p.grad for p in params if p.grad is not None]
@@ -493,6 +562,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def _state_dict(self, gather: bool) -> Dict[str, Any]:
         """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
         ``"state"``, and where they lie under ``"pieces"`` (global index -> (start, stop))."""
+        check_groups(self.param_groups, self._built)
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if self._eager is not None:
@@ -552,6 +622,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` against this optimizer; return what loads it (no check left
         to fail but the eager optimizer's own)."""
+        check_groups(self.param_groups, self._built)
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
         residuals = self._check_residuals(state_dict, saved_ids)
         load_codec = self._codec.checked_loader(state_dict.get("compression"))
@@ -1013,11 +1084,20 @@ def _param_groups(params: Any) -> List[Dict[str, Any]]:
     if not items:
         raise ValueError("Invalid params: [] (expected at least one parameter)")
     if not isinstance(items[0], dict):
-        return [{"params": items}]
-    groups = []
-    for j, g in enumerate(items):
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"Invalid params[{j}]: {g!r} (expected a dict with 'params')")
-        ps = g["params"]
-        groups.append({**g, "params": [ps] if isinstance(ps, Tensor) else list(ps)})
+        groups = [{"params": items}]
+    else:
+        groups = []
+        for j, g in enumerate(items):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"Invalid params[{j}]: {g!r} (expected a dict with 'params')")
+            ps = g["params"]
+            groups.append({**g, "params": [ps] if isinstance(ps, Tensor) else list(ps)})
+    # As DistributedOptimizer refuses it (distopt.owner), numbered over the groups: torch.optim
+    # only warns of a tensor given twice and steps it twice (functional.check_params).
+    pair = duplicate_pair([p for g in groups for p in g["params"]])
+    if pair is not None:
+        raise ValueError(
+            f"Invalid params: parameters {pair[0]} and {pair[1]} are the same tensor "
+            f"(expected each parameter once, in one param group)"
+        )
     return groups

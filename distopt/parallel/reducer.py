@@ -61,7 +61,9 @@ class GradientReducer:
         before_reduction: called (on the thread running backward, or in ``complete``)
             once per window, before its first bucket is handed over; may raise.
         on_reduced: called on the finishing thread with each reduced bucket and the
-            positions (in the bucket) of parameters no rank gave a gradient.
+            positions (in the bucket) of parameters no rank gave a gradient and whose
+            ``.grad`` is None on this rank (not to be stepped; the other unused ones have
+            their own ``.grad`` back in the bucket, see ``Bucket.leave_unused``).
         gather: sharded state (``distopt.parallel.shard``): called on the communication
             thread with a bucket that ``on_reduced`` has stepped, starts the gather of its
             parameters and returns what ``store`` needs; None: no gathers.
@@ -208,6 +210,8 @@ class GradientReducer:
             view = bucket.grads[slot]
             view.copy_(guard[2])
             param.grad = view
+            if bucket.stepped is not None:
+                bucket.mark_stepped()  # as it was stepped: not the user's change
         else:
             self.poisoned = bucket.positions[slot]
 
@@ -236,17 +240,21 @@ class GradientReducer:
         """Put the parameter's accumulated gradient (or zeros) into its bucket slot."""
         grad = param.grad
         view = bucket.grads[slot]
-        if grad is view:
-            return
         if grad is None:
             view.zero_()
+            # The average, if another rank used it, as DDP gives it (None again otherwise).
+            param.grad = view
             return
-        if grad.layout != torch.strided:
+        if grad is not view and grad.layout != torch.strided:
             raise ValueError(
                 f"Invalid gradient of parameter {bucket.positions[slot]}: {grad.layout} "
                 f"(expected a dense gradient: DataParallelOptimizer reduces dense gradients; "
                 f"use a dense embedding, or distopt.sparse for sharded tables)"
             )
+        if not bucket.used[slot]:
+            bucket.keep(slot, grad)  # given back if no rank used the parameter
+        if grad is view:
+            return
         with torch.no_grad():  # a gradient made with create_graph=True has a history
             view.copy_(grad)
         param.grad = view
@@ -278,6 +286,11 @@ class GradientReducer:
             self._threads.append(thread)
 
     # ------------------------------------------------------------ step()
+
+    @property
+    def broken(self) -> bool:
+        """A backward pass of this window raised after its reduction had begun."""
+        return self._broken
 
     def complete(self) -> None:
         """Reduce what this window accumulated (if backward has not started it) and wait
@@ -467,9 +480,7 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
                 del reducer, bucket, pending, item
                 continue
             reducer.codec.finish(pending, bucket, reducer.world_size)
-            unused = [k for k, f in enumerate(bucket.flags.tolist()) if f == 0]
-            for k in unused:
-                bucket.params[k].grad = None
+            unused = bucket.leave_unused()
             what = f"the step of {_describe(bucket)}"
             reducer.on_reduced(bucket, unused)
         except BaseException as exc:  # noqa: B902 - reported by step()

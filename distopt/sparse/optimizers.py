@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 import torch
 import torch.distributed.rpc as rpc
 
-from distopt.arguments import check_arguments
+from distopt.arguments import check_arguments, probe_construction
 from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
 from distopt.sparse import _owner
@@ -114,8 +114,7 @@ def _check_with_torch(torch_class: type, kwargs: Dict[str, Any]) -> None:
     Raises:
         ValueError: as ``torch_class`` raises it for these arguments.
     """
-    probe = torch.zeros(1, requires_grad=True)
-    torch_class([probe], **kwargs)  # torch.optim's own messages, kept: users know them
+    probe_construction(torch_class, kwargs)  # torch.optim's own messages: users know them
 
 
 class _SparseOptimizer(DistributedOptimizer):

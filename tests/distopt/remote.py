@@ -416,3 +416,16 @@ def storage_intact(param_rref: rpc.RRef) -> bool:
 def storage_of(param_rref: rpc.RRef) -> int:
     """The address of the parameter's storage (flat buffers put several in one)."""
     return param_rref.local_value().untyped_storage().data_ptr()
+
+
+def same_tensor(param_rref: rpc.RRef) -> Tensor:
+    """The parameter itself, for a second RRef to the same tensor."""
+    return param_rref.local_value()
+
+
+class KeywordSGD(torch.optim.SGD):
+    """SGD whose constructor takes a keyword it keeps out of its defaults (an eager class)."""
+
+    def __init__(self, params: Any, lr: float = 0.1, trace: bool = False) -> None:
+        super().__init__(params, lr=lr)
+        self.trace = trace

@@ -6,6 +6,7 @@ gets ``initial * fn(epoch)`` written by hand. Values must agree at every epoch a
 parameters bit for bit at the end.
 """
 import copy
+import inspect
 import math
 from typing import Any, Callable, Dict, List, Optional
 
@@ -389,6 +390,116 @@ def test_new_param_group_after_construction_raises_at_step():
     assert snapshot(opt) == before
 
 
+# ---------------------------------------------------------------- values the class refuses
+
+O = torch.optim
+BETA1 = r"Invalid betas\[0\] for param_groups\[1\]: 1.08\d* from HyperparameterScheduler "
+# name -> (class, defaults, key, index, group 1's factor at epoch 1, message pattern)
+OUT_OF_RANGE: Dict[str, Any] = {
+    "Adam-beta1": (O.Adam, {"lr": 0.01}, "betas", 0, 1.2,
+                   BETA1 + r"\(expected in \[0, 1\), as torch.optim.Adam requires\)$"),
+    "Adam-beta1-tensor": (O.Adam, {"lr": 0.01, "betas": (T(0.9), T(0.999))}, "betas", 0, 1.2,
+                          BETA1 + r"\(expected in \[0, 1\), as torch.optim.Adam requires\)$"),
+    "AdamW-beta2": (O.AdamW, {"lr": 0.01}, "betas", 1, 1.01,
+                    r"Invalid betas\[1\] for param_groups\[1\]: 1.00\d* .*expected in \[0, 1\), "
+                    r"as torch.optim.AdamW requires"),
+    "Adam-eps": (O.Adam, {"lr": 0.01}, "eps", None, -1.0,
+                 r"Invalid eps for param_groups\[1\]: -1e-08 .*expected >= 0.0, as "
+                 r"torch.optim.Adam requires"),
+    "SGD-weight_decay": (O.SGD, {"lr": 0.1, "weight_decay": 0.01}, "weight_decay", None, -1.0,
+                         r"Invalid weight_decay for param_groups\[1\]: -0.01 .*expected >= 0.0"),
+    "SGD-nesterov-momentum": (O.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "momentum",
+                              None, 0.0, r"Invalid momentum for param_groups\[1\]: 0.0 .*expected "
+                              r"momentum > 0 and dampening == 0, as torch.optim.SGD requires"),
+    "RMSprop-alpha": (O.RMSprop, {"lr": 0.01}, "alpha", None, -1.0,
+                      r"Invalid alpha for param_groups\[1\]: -0.99 .*expected >= 0.0"),
+    "Adadelta-rho": (O.Adadelta, {"lr": 1.0}, "rho", None, 1.2,
+                     r"Invalid rho for param_groups\[1\]: 1.08 .*expected in \[0.0, 1.0\], as "
+                     r"torch.optim.Adadelta requires"),
+    "Rprop-etas": (O.Rprop, {"lr": 0.01}, "etas", 0, 2.5,
+                   r"Invalid etas\[0\] for param_groups\[1\]: 1.25 .*expected 0 < etas\[0\] < 1 "
+                   r"< etas\[1\], as torch.optim.Rprop requires"),
+    "Adagrad-lr_decay": (O.Adagrad, {"lr": 0.1, "lr_decay": 0.1}, "lr_decay", None, -1.0,
+                         r"Invalid lr_decay for param_groups\[1\]: -0.1 .*expected >= 0.0"),
+    "NAdam-momentum_decay": (O.NAdam, {"lr": 0.01}, "momentum_decay", None, -1.0,
+                             r"Invalid momentum_decay for param_groups\[1\]: -0.004 "
+                             r".*expected >= 0"),
+    "Adafactor-beta2_decay": (O.Adafactor, {"lr": 0.01}, "beta2_decay", None, -1.0,
+                              r"Invalid beta2_decay for param_groups\[1\]: 0.8 .*expected <= 0.0, "
+                              r"as torch.optim.Adafactor requires"),
+}
+
+
+def _fns(factor: float) -> List[Callable[[int], float]]:
+    """Group 0 moves too (so a half-written step would show), group 1 leaves the range."""
+    return [lambda e: 0.5 ** e, lambda e: factor if e >= 1 else 1.0]
+
+
+def _constructor_values(cls: type, group: Dict[str, Any]) -> Dict[str, Any]:
+    names = inspect.signature(cls).parameters
+    return {k: v for k, v in group.items() if k in names and k != "params"}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_RANGE))
+def test_values_the_class_refuses_are_refused_before_any_group_is_written(name):
+    cls, defaults, key, index, factor, pattern = OUT_OF_RANGE[name]
+    opt = cls(groups(make_params(), {}), **defaults)
+    sched = HyperparameterScheduler(opt, key, _fns(factor), index)
+    before = copy.deepcopy(snapshot(opt))
+    with pytest.raises(ValueError, match=pattern):
+        sched.step()
+    assert snapshot(opt) == before and sched.last_epoch == 0
+    # torch.optim's own constructor refuses the value the scheduler would have written.
+    wanted = _constructor_values(cls, opt.param_groups[1])
+    base = element(opt.param_groups[1][key], index)
+    new = base * factor
+    wanted[key] = new if index is None else tuple(
+        new if i == index else v for i, v in enumerate(wanted[key]))
+    with pytest.raises(ValueError):
+        cls([torch.zeros(2, 2, requires_grad=True)], **wanted)
+
+
+# name -> (class, defaults, key, index, factor): torch.optim's constructors set no bound here.
+ACCEPTED_BY_TORCH: Dict[str, Any] = {
+    "SGD-momentum-1.8": (O.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum", None, 2.0),
+    "RMSprop-alpha-1.49": (O.RMSprop, {"lr": 0.01}, "alpha", None, 1.5),
+    "Rprop-step_sizes": (O.Rprop, {"lr": 0.01}, "step_sizes", 1, 1e-9),
+    "ASGD-lambd": (O.ASGD, {"lr": 0.01}, "lambd", None, -1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED_BY_TORCH))
+def test_values_torch_accepts_are_written(name):
+    cls, defaults, key, index, factor = ACCEPTED_BY_TORCH[name]
+    opt = cls(groups(make_params(), {}), **defaults)
+    sched = HyperparameterScheduler(opt, key, _fns(factor), index)
+    sched.step()
+    written = opt.param_groups[1][key]
+    assert element(written, index) == element(opt.param_groups[1][f"initial_{key}"], index) * factor
+    cls([torch.zeros(2, 2, requires_grad=True)], **_constructor_values(cls, opt.param_groups[1]))
+
+
+class CappedSGD(torch.optim.SGD):
+    """A user's class with a range of its own: momentum at most 0.95."""
+
+    def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.5) -> None:
+        if momentum > 0.95:
+            raise ValueError(f"momentum {momentum} is above 0.95")
+        super().__init__(params, lr=lr, momentum=momentum)
+
+
+def test_a_users_class_refuses_with_its_own_words():
+    opt = CappedSGD(groups(make_params(), {}), momentum=0.9)
+    sched = HyperparameterScheduler(opt, "momentum", _fns(1.1))
+    before = copy.deepcopy(snapshot(opt))
+    pattern = (r"Invalid momentum for param_groups\[1\]: 0.99\d* from HyperparameterScheduler "
+               r"\(expected a value CappedSGD accepts; it raises ValueError: momentum 0.99\d* "
+               r"is above 0.95")
+    with pytest.raises(ValueError, match=pattern):
+        sched.step()
+    assert snapshot(opt) == before
+
+
 # ---------------------------------------------------------------- DistributedOptimizer
 
 
@@ -425,3 +536,13 @@ def test_distributed_optimizer_momentum_and_weight_decay(world):
                 got, want.detach(), rtol=0, atol=0,
                 msg=lambda m, i=i: f"step {step} parameter {i} on {harness.OWNERS[i]}: {m}",
             )
+
+
+def test_distributed_optimizer_refuses_what_its_class_refuses(world):
+    rrefs, _ = harness.make_params()
+    dist_opt = DistributedOptimizer(torch.optim.Adam, harness.grouped(rrefs, [{}, {}]), lr=0.01)
+    sched = HyperparameterScheduler(dist_opt, "betas", _fns(1.2), index=0)
+    before = copy.deepcopy(snapshot(dist_opt))
+    with pytest.raises(ValueError, match=BETA1 + r"\(expected in \[0, 1\), as torch.optim.Adam"):
+        sched.step()
+    assert snapshot(dist_opt) == before

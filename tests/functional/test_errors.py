@@ -1,9 +1,12 @@
 """Bad input: clear errors that name the argument and the value, as torch.optim rejects it."""
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from functional import FLAT_CLASSES, flatten_parameters, functional_optim_map, script_optimizer
+from functional._validation import TORCH_DUPLICATE_WARNING
 
 O = torch.optim
 # (torch.optim class, arguments torch.optim rejects with ValueError, the name ours must give)
@@ -392,6 +395,33 @@ def test_params_must_be_tensors() -> None:
         cls([])
     with pytest.raises(TypeError, match=r"Invalid params\[1\]: int"):
         cls([torch.zeros(2), 3])
+
+
+@pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
+def test_one_tensor_twice_is_refused_naming_both_indices(torch_cls: type) -> None:
+    [p], [q] = _params(torch_cls), _params(torch_cls)
+    with pytest.warns(UserWarning, match=re.escape(TORCH_DUPLICATE_WARNING)):
+        torch_cls([p, q, p])  # torch.optim only warns, in these words (quoted in ours)
+    with pytest.raises(ValueError, match=r"Invalid params: params\[0\] and params\[2\] are the "
+                       r"same tensor \(expected each tensor once; torch.optim warns \""
+                       + re.escape(TORCH_DUPLICATE_WARNING)):
+        functional_optim_map[torch_cls]([p, q, p])
+
+
+def test_torch_kernels_disagree_on_a_tensor_given_twice() -> None:
+    """Why the functional classes refuse it rather than match torch.optim: torch steps such a
+    tensor once per occurrence, and its for-loop and foreach SGD then end 0.53 apart after 3
+    steps (its fused kernel agrees with the for-loop), so there is no one result to match."""
+    ends = []
+    for foreach in (False, True):
+        p, q = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        with pytest.warns(UserWarning, match=re.escape(TORCH_DUPLICATE_WARNING)):
+            opt = O.SGD([p, q, p], lr=0.1, momentum=0.9, foreach=foreach)
+        for step in range(3):
+            p.grad, q.grad = torch.full((3,), 1.0 + step), torch.full((3,), 2.0)
+            opt.step()
+        ends.append(p.detach().clone())
+    assert float((ends[0] - ends[1]).abs().max()) > 0.1
 
 
 def test_step_param_updates_only_that_parameter() -> None:

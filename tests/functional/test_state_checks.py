@@ -10,11 +10,13 @@ import copy
 import re
 from typing import Callable, Dict, List
 
+import numpy as np
 import pytest
 import torch
 
 from functional import (
     FunctionalAdam,
+    functional_optim_map,
     load_torch_state_dict,
     script_optimizer,
     to_torch_state_dict,
@@ -303,3 +305,135 @@ def test_a_state_dict_saved_with_other_kernels_loads(saved, compiled: bool) -> N
         opt.step([g.clone() for g in grads[step]])
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b.detach())
+
+
+def _continue_both(torch_cls, ours_kwargs, sd, theirs_kwargs, compiled: bool, before_load=None):
+    """A torch.optim ``torch_cls`` and our twin both load ``sd`` over the same parameters and
+    take two more steps; ours must step as torch.optim's. ``before_load(optim)`` runs first
+    on ours (an edit torch.optim's load must undo too)."""
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
+    grads = [[torch.randn(s.shape, generator=gen) for s in start] for _ in range(2)]
+    theirs = [s.clone().requires_grad_() for s in start]
+    reference = torch_cls(theirs, **theirs_kwargs)
+    reference.load_state_dict(copy.deepcopy(sd))
+    ours = [s.clone() for s in start]
+    optim = functional_optim_map[torch_cls](ours, **_fresh(ours_kwargs))
+    opt = script_optimizer(optim) if compiled else optim
+    if before_load is not None:
+        before_load(optim)
+    load_torch_state_dict(opt, torch_cls, copy.deepcopy(sd))
+    for step in range(2):
+        for t, g in zip(theirs, grads[step]):
+            t.grad = g.clone()
+        reference.step()
+        opt.step([g.clone() for g in grads[step]])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    return opt
+
+
+def _fresh(kwargs):
+    """``kwargs`` with copies of its Tensors (one optimizer's Tensor lr or betas change)."""
+    def copied(v):
+        if isinstance(v, tuple):
+            return tuple(copied(x) for x in v)
+        return v.clone() if isinstance(v, torch.Tensor) else v
+    return {k: copied(v) for k, v in kwargs.items()}
+
+
+def _saved(torch_cls, kwargs):
+    """The state_dict of a torch.optim ``torch_cls`` after two steps."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in ((5, 3), (4,))]
+    optim = torch_cls(params, **_fresh(kwargs))
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optim.step()
+    return optim.state_dict()
+
+
+O = torch.optim
+_NEWER = ["maximize", "foreach", "differentiable"]  # options an older torch did not save
+# (class, arguments, param-group keys its state_dicts lacked in an older torch)
+OLD_FORMAT_ROWS = [
+    (O.SGD, {"lr": 0.1, "momentum": 0.9}, _NEWER + ["fused"]),
+    (O.Adam, {"lr": 0.01, "weight_decay": 0.1},
+     _NEWER + ["capturable", "fused", "decoupled_weight_decay"]),
+    (O.AdamW, {"lr": 0.01}, _NEWER + ["capturable", "fused", "decoupled_weight_decay"]),
+    (O.Adagrad, {"lr": 0.1}, _NEWER + ["fused"]),
+    (O.Adadelta, {"lr": 1.0}, _NEWER + ["capturable"]),
+    (O.Adamax, {"lr": 0.01}, _NEWER + ["capturable"]),
+    (O.RMSprop, {"lr": 0.01}, _NEWER + ["capturable", "momentum", "centered"]),
+    (O.Rprop, {"lr": 0.01}, _NEWER + ["capturable"]),
+    (O.NAdam, {"lr": 0.01, "weight_decay": 0.1}, _NEWER + ["capturable", "decoupled_weight_decay"]),
+    (O.RAdam, {"lr": 0.01, "weight_decay": 0.1}, _NEWER + ["capturable", "decoupled_weight_decay"]),
+    (O.ASGD, {"lr": 0.01}, _NEWER + ["capturable"]),
+]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("torch_cls, kwargs, lacking", OLD_FORMAT_ROWS,
+                         ids=[r[0].__name__ for r in OLD_FORMAT_ROWS])
+def test_a_state_dict_of_an_older_torch_loads(torch_cls, kwargs, lacking, compiled) -> None:
+    """torch.optim loads a state_dict whose param group lacks options added since it was
+    saved (its ``__setstate__`` gives them their defaults); so do ours, and step on equal.
+    Ours refused it ("param group lacks [...], so it is not a ... state_dict")."""
+    sd = _saved(torch_cls, kwargs)
+    for key in lacking:
+        del sd["param_groups"][0][key]
+    _continue_both(torch_cls, kwargs, sd, kwargs, compiled)
+
+
+def _lr_changed_in_place(optim) -> None:
+    optim.lr_tensor.fill_(0.5)
+
+
+_TENSOR_BETAS = (torch.tensor(0.8), torch.tensor(0.9))
+# (case, torch.optim arguments the state_dict is saved with, our arguments, edit before load)
+HELD_ROWS = [
+    ("tensor-betas-in-the-state-dict", {"lr": 0.01, "betas": _TENSOR_BETAS}, {"lr": 0.01}, None),
+    ("tensor-betas-both", {"lr": 0.01, "betas": _TENSOR_BETAS},
+     {"lr": 0.01, "betas": (torch.tensor(0.5), torch.tensor(0.6))}, None),
+    ("tensor-lr-changed-in-place", {"lr": torch.tensor(0.01)}, {"lr": torch.tensor(0.01)},
+     _lr_changed_in_place),
+    ("numpy-lr-in-the-state-dict", {"lr": np.float32(0.02)}, {"lr": 0.01}, None),
+]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name, saved, ours, edit", HELD_ROWS, ids=[r[0] for r in HELD_ROWS])
+def test_hyperparameters_load_as_torch_holds_them(name, saved, ours, edit, compiled) -> None:
+    """A state_dict's Tensor betas or numpy lr load (ours raised TypeError: "Invalid betas:
+    tensor(0.8000) (expected a number)", "Invalid lr: np.float32(0.02) ..."), and a Tensor lr
+    changed in place since construction takes the state_dict's value (ours kept 0.5: it
+    compared the state_dict's lr with the lr it was built with)."""
+    sd = _saved(O.Adam, saved)
+    opt = _continue_both(O.Adam, ours, sd, {"lr": 0.3}, compiled, edit)
+    group = to_torch_state_dict(opt, O.Adam)["param_groups"][0]
+    assert float(group["lr"]) == pytest.approx(float(sd["param_groups"][0]["lr"]))
+    saved_betas = sd["param_groups"][0]["betas"]
+    assert [float(b) for b in group["betas"]] == pytest.approx([float(b) for b in saved_betas])
+
+
+# (class, arguments the torch.optim state_dict is saved with, ours): options torch.optim
+# takes from a state_dict, and ours can take between steps.
+OTHER_OPTIONS_ROWS = [
+    (O.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.3, "lr_decay": 0.5}, {"lr": 0.1}),
+    (O.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}, {"lr": 0.01, "centered": True}),
+    (O.SGD, {"lr": 0.1, "momentum": 0.9}, {"lr": 0.1}),
+    (O.Rprop, {"lr": 0.1, "etas": (0.3, 1.5), "step_sizes": (1e-3, 1.0)}, {"lr": 0.1}),
+    (O.ASGD, {"lr": 0.1, "t0": 1, "lambd": 0.3, "alpha": 0.5}, {"lr": 0.1}),
+]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("torch_cls, saved, ours", OTHER_OPTIONS_ROWS,
+                         ids=[r[0].__name__ for r in OTHER_OPTIONS_ROWS])
+def test_a_state_dict_saved_with_other_options_loads(torch_cls, saved, ours, compiled) -> None:
+    """torch.optim adopts a state_dict's options; ours do where they can change between
+    steps, and step on equal. Adagrad's initial_accumulator_value (which only starts new
+    state, and torch.optim.Adagrad makes all of it at construction) was refused: "cannot
+    change after construction"."""
+    _continue_both(torch_cls, ours, _saved(torch_cls, saved), ours, compiled)

@@ -5,6 +5,7 @@ Every function here takes ``(rank, world_size, ...)``, runs inside an initialize
 computed on rank 0 from the same seeds: the whole batch in one process with torch.optim,
 and, for exactness, one process averaging the ranks' gradients itself.
 """
+import contextlib
 from typing import Any, Dict, List
 
 import torch
@@ -26,6 +27,42 @@ def make_model(biases: bool = True, seed: int = 0, sizes=(6, 12, 8, 1)) -> torch
         torch.nn.Linear(b, c, bias=biases), torch.nn.Tanh(),
         torch.nn.Linear(c, d, bias=biases),
     )
+
+
+class Branchy(torch.nn.Module):
+    """A model whose ``extra`` layer a step may use on every rank, on one, or on none; with
+    ``never``, also a layer no step uses."""
+
+    def __init__(self, never: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.extra = torch.nn.Linear(8, 1)
+        if never:
+            self.never = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.head(h) + (self.extra(h) if use_extra else 0.0)
+
+
+class ComplexModel(torch.nn.Module):
+    """Real, complex64 and complex128 parameters (buckets of three dtypes); ``rot.weight``
+    (192 elements) is cut inside by ``shard="flat"`` at 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 8)
+        self.rot = torch.nn.Linear(8, 24, dtype=torch.complex64)
+        self.phase = torch.nn.Parameter(torch.randn(24, dtype=torch.complex128))
+        self.head = torch.nn.Linear(24, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x)).to(torch.complex64)
+        z = self.rot(h).to(torch.complex128) * self.phase
+        return self.head(z.abs().float())
 
 
 def data(n: int = 16, seed: int = 1):
@@ -53,7 +90,72 @@ def eager_class(cls: type) -> type:
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """Every parameter's elements in one float tensor (a complex one's real and imaginary
+    parts, in float64 when the model has any)."""
+    params = [p.detach() for p in model.parameters()]
+    if not any(p.is_complex() for p in params):
+        return torch.cat([p.reshape(-1) for p in params])
+    return torch.cat([(torch.view_as_real(p) if p.is_complex() else p).reshape(-1).double()
+                      for p in params])
+
+
+#: Per step: the ranks that use ``Branchy.extra``, and whether ``zero_grad`` then sets the
+#: gradients to None. Steps 2 and 3: no rank uses it and its ``.grad`` is zeros (DDP leaves
+#: them, torch.optim steps them); step 4: ``.grad`` None (left alone); step 5: one rank uses
+#: it (the average with zeros).
+UNUSED_STEPS = [((0, 1), False), ((0, 1), False), ((), False), ((), True), ((), False),
+                ((1,), False)]
+
+#: Classes whose state or weight decay moves a parameter with a zero gradient, on the fused
+#: kernels (those the compiled steps run; torch's single-tensor SGD rounds a 1-element
+#: momentum update differently now and then), so that DDP + torch.optim agrees bit for bit.
+ZERO_GRAD_CASES = {
+    "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}),
+    "SGD-weight_decay": (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1, "fused": True}),
+    "Adam": (torch.optim.Adam, {"lr": 1e-2, "fused": True}),
+}
+
+
+def train_unused(model: Branchy, forward: Any, opt: Any, rank: int, passes: int = 1,
+                 quiet: Any = None) -> Dict[str, Any]:
+    """``UNUSED_STEPS``, each of ``passes`` backward passes (all but the last inside
+    ``quiet()`` when given). Per step: ``extra``'s parameters, its weight's ``.grad`` after
+    the step (a copy, or None) and whether that is the tensor it was before backward."""
+    steps = []
+    for step, (users, to_none) in enumerate(UNUSED_STEPS):
+        before = model.extra.weight.grad
+        for k in range(passes):
+            x, y = data(4, seed=50 + 10 * step + 3 * rank + k)
+            with quiet() if quiet is not None and k < passes - 1 else contextlib.nullcontext():
+                ((forward(x, rank in users) - y) ** 2).mean().backward()
+        opt.step()
+        grad = model.extra.weight.grad
+        steps.append({"extra": flat_params(model.extra), "same_grad": grad is before,
+                      "grad": None if grad is None else grad.clone()})
+        opt.zero_grad(set_to_none=to_none)
+    return {"steps": steps, "params": flat_params(model),
+            "never_grad_none": model.never.weight.grad is None}
+
+
+#: Classes stepped on complex parameters, with torch.optim's options whose kernel the
+#: compiled step runs on their ``view_as_real`` (foreach Adam: torch refuses fused=True for
+#: complex parameters).
+COMPLEX_CASES = {
+    "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+    "Adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": True}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.5}),
+}
+
+
+def train_complex(model: ComplexModel, forward: Any, opt: Any, rank: int,
+                  steps: int = 4) -> torch.Tensor:
+    """``steps`` steps on this rank's batches; the parameters after them."""
+    for step in range(steps):
+        x, y = data(4, seed=70 + 10 * step + rank)
+        ((forward(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return flat_params(model)
 
 
 def _averaged_grads(model, x, y, world_size):

@@ -8,11 +8,24 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, Threshold, TopK
+from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, Threshold, TopK
 from distopt.parallel import compression as compression_module
 from distopt.parallel.sync import partition
 from tests.same import identical
-from tests.parallel.ranks import SMALL_BUCKETS_MB, data, flat_params, loss_of, make_model
+from tests.parallel.ranks import (
+    COMPLEX_CASES,
+    SMALL_BUCKETS_MB,
+    ZERO_GRAD_CASES,
+    Branchy,
+    ComplexModel,
+    data,
+    eager_class,
+    flat_params,
+    loss_of,
+    make_model,
+    train_complex,
+    train_unused,
+)
 
 
 def wchar() -> int:
@@ -40,17 +53,21 @@ def bytes_per_step(rank: int, world_size: int) -> Dict[str, Any]:
         "shard-param": {"shard": "param"},
         "shard-flat": {"shard": "flat"},
         "shard-flat-bf16": {"shard": "flat", "compression": Cast(torch.bfloat16)},
+        "complex": {},
+        "complex-bf16": {"compression": Cast(torch.bfloat16)},
     }
     for name, options in configs.items():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 1000))
+        dtype = torch.complex64 if name.startswith("complex") else torch.float32
+        model = torch.nn.Sequential(torch.nn.Linear(1000, 1000, dtype=dtype),
+                                    torch.nn.Linear(1000, 1000, dtype=dtype))
         opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-3,
                                     bucket_cap_mb=3.0, **options)
         measured, modelled = [], []
         for step in range(6):
             dist.barrier()
             before = wchar()
-            model(x).square().mean().backward()
+            model(x.to(dtype)).abs().square().mean().backward()
             opt.step()
             after = wchar()
             opt.zero_grad()
@@ -268,6 +285,127 @@ def unused_parameters(rank: int, world_size: int) -> Dict[str, Any]:
     return result
 
 
+#: DataParallelOptimizer's runs: its options, and the DDP + torch.optim run it must equal.
+ZERO_GRAD_RUNS = {
+    "overlap": ({}, "ddp"),
+    "no-overlap": ({"overlap": False}, "ddp"),
+    "shard-param": ({"shard": "param"}, "ddp"),
+    "shard-flat": ({"shard": "flat"}, "ddp"),
+    "eager": ({}, "ddp"),
+    "bf16": ({"compression": Cast(torch.bfloat16)}, "ddp-bf16"),
+    "passes": ({"backward_passes_per_step": 2}, "ddp-no_sync"),
+    "no_sync": ({}, "ddp-no_sync"),
+}
+
+
+def zero_grads_of_unused(rank: int, world_size: int) -> Dict[str, Any]:
+    """``zero_grad(set_to_none=False)`` and a layer no rank uses in some steps: every
+    ``ZERO_GRAD_RUNS`` run of DataParallelOptimizer and the DDP
+    (``find_unused_parameters=True``) + torch.optim runs, per ``ZERO_GRAD_CASES`` case."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distopt.parallel import compression_hook
+
+    out: Dict[str, Any] = {}
+    for case, (cls, kwargs) in ZERO_GRAD_CASES.items():
+        for name in ("ddp", "ddp-bf16", "ddp-no_sync"):
+            model = Branchy(never=True)
+            ddp = DistributedDataParallel(model, find_unused_parameters=True)
+            if name == "ddp-bf16":
+                ddp.register_comm_hook(*compression_hook(Cast(torch.bfloat16)))
+            opt = cls(model.parameters(), **kwargs)
+            passes = 2 if name == "ddp-no_sync" else 1
+            out[f"{case}/{name}"] = train_unused(model, ddp, opt, rank, passes, ddp.no_sync)
+        for name, (options, _) in ZERO_GRAD_RUNS.items():
+            model = Branchy(never=True)
+            opt = DataParallelOptimizer(eager_class(cls) if name == "eager" else cls,
+                                        model.parameters(), bucket_cap_mb=SMALL_BUCKETS_MB,
+                                        **options, **kwargs)
+            passes = 2 if name in ("passes", "no_sync") else 1
+            quiet = opt.no_sync if name == "no_sync" else None
+            out[f"{case}/{name}"] = train_unused(model, model, opt, rank, passes, quiet)
+            opt.close()
+    return out
+
+
+def ddp_semantics(rank: int, world_size: int) -> Dict[str, Any]:
+    """What DDP + torch.optim does, in one world: parameters some or no rank used, the zero
+    gradients of unused layers, complex parameters."""
+    return {"unused": unused_parameters(rank, world_size),
+            "zero_grads": zero_grads_of_unused(rank, world_size),
+            "complex": complex_parameters(rank, world_size)}
+
+
+# ---------------------------------------------------------------- complex parameters
+
+
+#: DataParallelOptimizer's runs on complex parameters (each against DDP + torch.optim).
+COMPLEX_RUNS = {
+    "overlap": {},
+    "no-overlap": {"overlap": False},
+    "shard-param": {"shard": "param"},
+    "shard-flat": {"shard": "flat"},
+    "eager": {},
+}
+
+
+def complex_parameters(rank: int, world_size: int) -> Dict[str, Any]:
+    """A model with complex64 and complex128 parameters: DataParallelOptimizer (every
+    ``COMPLEX_RUNS`` run) and DDP + torch.optim per ``COMPLEX_CASES`` case; Cast(bfloat16)'s
+    averages; RoundRobin's averaged state; the compressions that refuse complex."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: Dict[str, Any] = {}
+    for case, (cls, kwargs) in COMPLEX_CASES.items():
+        model = ComplexModel()
+        opt = cls(model.parameters(), **kwargs)
+        out[f"{case}/ddp"] = train_complex(model, DistributedDataParallel(model), opt, rank)
+        for name, options in COMPLEX_RUNS.items():
+            model = ComplexModel()
+            opt = DataParallelOptimizer(eager_class(cls) if name == "eager" else cls,
+                                        model.parameters(), bucket_cap_mb=SMALL_BUCKETS_MB,
+                                        **options, **kwargs)
+            if name == "shard-flat":
+                out["flat_cut_inside_complex"] = any(
+                    pc.stop - pc.start < b.params[pc.slot].numel()
+                    for b in opt._buckets for pc in b.shard.own if b.dtype.is_complex
+                )
+            out[f"{case}/{name}"] = train_complex(model, model, opt, rank)
+            opt.close()
+
+    # Cast(bfloat16): each part of a complex gradient halved, cast and summed.
+    model = ComplexModel()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.0, overlap=False,
+                                compression=Cast(torch.bfloat16), bucket_cap_mb=SMALL_BUCKETS_MB)
+    x, y = data(4, seed=90 + rank)
+    loss = ((model(x) - y) ** 2).mean()
+    out["cast_local"] = [g.clone() for g in torch.autograd.grad(loss, list(model.parameters()),
+                                                               retain_graph=True)]
+    loss.backward()
+    opt.step()
+    out["cast_reduced"] = [p.grad.clone() for p in model.parameters()]
+    out["cast_bytes"] = opt.bytes_per_step()
+    out["cast_buckets"] = [(b.numel, len(b.params), b.dtype) for b in opt._buckets]
+    opt.close()
+
+    # RoundRobin(1): the complex momentum buffers are averaged with their parameters.
+    model = ComplexModel()
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9,
+                                sync=RoundRobin(1))
+    train_complex(model, model, opt, rank, steps=2)
+    out["round_robin_state"] = opt.state_dict()["state"]
+    opt.close()
+
+    params = ComplexModel().parameters
+    out["refused"] = {
+        name: _error_of(lambda c=compression: DataParallelOptimizer(
+            torch.optim.SGD, params(), lr=0.1, compression=c), ValueError)
+        for name, compression in (("topk", TopK(0.5)), ("threshold", Threshold(0.1)),
+                                  ("powersgd", PowerSGD()))
+    }
+    return out
+
+
 # ---------------------------------------------------------------- failures
 
 
@@ -403,6 +541,10 @@ def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
         "unknown_kwarg": lambda: DataParallelOptimizer(torch.optim.Adam, params, bogus=1),
         "lr_kind": lambda: DataParallelOptimizer(torch.optim.Adam, params, lr="fast"),
         "not_member": lambda: DataParallelOptimizer(torch.optim.SGD, params, process_group=pair),
+        "duplicate": lambda: DataParallelOptimizer(torch.optim.SGD, [params[0], params[1],
+                                                                     params[0]]),
+        "duplicate_across_groups": lambda: DataParallelOptimizer(
+            torch.optim.SGD, [{"params": [params[0]]}, {"params": [params[1], params[0]]}]),
     }
     out = {}
     for name, make in cases.items():
@@ -778,6 +920,58 @@ def _train_reference(steps, x, y, lr=0.1, momentum=0.9, clip=None, lrs=None):
     return flat_params(model)
 
 
+#: name -> an edit of param_groups the buckets cannot follow (groups: the first layer's
+#: parameters, then the other four), given a parameter the optimizer was not built with.
+GROUP_EDITS = {
+    "appended": lambda g, new: g[0]["params"].append(new),
+    "item-replaced": lambda g, new: g[0]["params"].__setitem__(1, new),
+    "list-replaced": lambda g, new: g[1].__setitem__("params", g[1]["params"][:2]),
+    "moved-from-group-1": lambda g, new: g[0]["params"].append(g[1]["params"].pop()),
+    "group-appended": lambda g, new: g.append({**g[1], "params": [new]}),
+    "group-deleted": lambda g, new: g.__delitem__(1),
+    "key-deleted": lambda g, new: g[1].pop("momentum"),
+}
+
+
+def edited_groups(xs: torch.Tensor, ys: torch.Tensor, sgd: Dict[str, Any]) -> Dict[str, Any]:
+    """Each of GROUP_EDITS after one step, compiled (overlap on and off) and eager: what the
+    next backward, step, clip_grad_norm_ and state_dict raise, whether anything moved; then,
+    restored, the refused iteration is run again and one more follows (3 steps in all)."""
+    out: Dict[str, Any] = {}
+    modes = {"overlap": (torch.optim.SGD, True), "no-overlap": (torch.optim.SGD, False),
+             "eager": (eager_class(torch.optim.SGD), False)}
+    for mode, (cls, overlap) in modes.items():
+        for name, edit in GROUP_EDITS.items():
+            model = make_model()
+            first = list(model[0].parameters())
+            rest = [p for p in model.parameters() if all(p is not q for q in first)]
+            opt = DataParallelOptimizer(cls, [{"params": first}, {"params": rest}],
+                                        overlap=overlap, bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+            loss_of(model, xs, ys).backward()
+            opt.step()
+            opt.zero_grad()
+            kept = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+            before = flat_params(model)
+            edit(opt.param_groups, torch.nn.Parameter(torch.zeros(3)))
+            result = {
+                "backward": _error_of(lambda: loss_of(model, xs, ys).backward(), ValueError),
+                "step": _error_of(opt.step, ValueError),
+                "clip": _error_of(lambda: opt.clip_grad_norm_(1.0), ValueError),
+                "state_dict": _error_of(opt.state_dict, ValueError),
+                "unchanged": torch.equal(flat_params(model), before),
+            }
+            opt.param_groups[:] = kept
+            opt.zero_grad()  # the refused pass reduced nothing: it is run again
+            for _ in range(2):
+                loss_of(model, xs, ys).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.close()
+            result["params"] = flat_params(model)
+            out[f"{mode}/{name}"] = result
+    return out
+
+
 def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     """What users do between backward and step, and around the optimizer's lifetime."""
     import gc
@@ -1023,6 +1217,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         opt.zero_grad()
     opt.close()
     out["dead_pass_params"] = flat_params(model)
+    out["edits"] = edited_groups(xs, ys, sgd)
     out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("distopt-dp"))
 
     if rank == 0:

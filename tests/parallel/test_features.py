@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tests.parallel import scenarios
+from tests.parallel.ranks import ComplexModel, flat_params
 from tests.parallel.world import run_world
+from tests.same import assert_identical
 
 
 def _close(a, b, tol=1e-5):
@@ -28,7 +30,7 @@ def sent_bytes():
 
 @pytest.mark.parametrize(
     "name", ["plain", "fp16", "bf16", "topk", "roundrobin", "shard-param", "shard-flat",
-             "shard-flat-bf16"]
+             "shard-flat-bf16", "complex", "complex-bf16"]
 )
 def test_bytes_per_step_match_the_model(sent_bytes, name):
     for rank in range(2):
@@ -100,12 +102,93 @@ def test_a_pass_after_the_reduction_raises():
         assert "backward_passes_per_step" in message and "no_sync" in message
 
 
-def test_unused_parameters_are_left_alone():
-    results = run_world(scenarios.unused_parameters, 2)
+@pytest.fixture(scope="module")
+def ddp_semantics():
+    return run_world(scenarios.ddp_semantics, 2)
+
+
+def test_unused_parameters_are_left_alone(ddp_semantics):
+    results = [r["unused"] for r in ddp_semantics]
     for r in results:
         assert r["never_equal"] and r["never_grad_none"]
     assert torch.equal(results[0]["params"], results[1]["params"])
     assert _close(results[0]["params"], results[0]["reference"])
+
+
+@pytest.mark.parametrize("run", sorted(scenarios.ZERO_GRAD_RUNS))
+@pytest.mark.parametrize("case", sorted(scenarios.ZERO_GRAD_CASES))
+def test_zero_grads_of_unused_parameters_step_as_under_ddp(ddp_semantics, case, run):
+    """zero_grad(set_to_none=False), a layer no rank uses: its zero .grad is kept and
+    stepped as DDP (find_unused_parameters=True) + torch.optim step it, bit for bit."""
+    reference = scenarios.ZERO_GRAD_RUNS[run][1]
+    for r in ddp_semantics:
+        ddp = r["zero_grads"][f"{case}/{reference}"]
+        # parameters, and .grad after each step (values, and the same tensor or not)
+        assert_identical(r["zero_grads"][f"{case}/{run}"], ddp, f"{case}/{run}")
+        steps = ddp["steps"]
+        assert ddp["never_grad_none"]
+        # what DDP + torch.optim does: steps 2 and 3 move `extra` with its zero .grad, which
+        # stays the tensor it was; after zero_grad(set_to_none=True), step 4 leaves it
+        for step in (2, 3):
+            assert not torch.equal(steps[step]["extra"], steps[step - 1]["extra"]), step
+            assert steps[step]["same_grad"] and not steps[step]["grad"].any(), step
+        assert steps[4]["grad"] is None and torch.equal(steps[4]["extra"], steps[3]["extra"])
+        assert steps[5]["grad"].any()  # rank 1's gradient, averaged with rank 0's zeros
+    assert torch.equal(ddp_semantics[0]["zero_grads"][f"{case}/{run}"]["params"],
+                       ddp_semantics[1]["zero_grads"][f"{case}/{run}"]["params"])
+
+
+@pytest.mark.parametrize("run", sorted(scenarios.COMPLEX_RUNS))
+@pytest.mark.parametrize("case", sorted(scenarios.COMPLEX_CASES))
+def test_complex_parameters_step_as_under_ddp(ddp_semantics, case, run):
+    """complex64 and complex128 parameters beside real ones: DDP + torch.optim's numbers."""
+    first = ddp_semantics[0]["complex"]
+    for r in ddp_semantics:
+        got, ddp = r["complex"][f"{case}/{run}"], r["complex"][f"{case}/ddp"]
+        assert torch.equal(got, first[f"{case}/{run}"])  # the ranks agree
+        if case == "SGD" and run != "eager":
+            # torch.optim.SGD steps a complex parameter in complex arithmetic, the compiled
+            # step on its view_as_real (as torch.optim's other classes do): the last bit
+            assert _close(got, ddp, 1e-6)
+        else:
+            assert torch.equal(got, ddp)
+    assert not torch.equal(first[f"{case}/{run}"], flat_params(ComplexModel()))  # it trained
+    assert first["flat_cut_inside_complex"]
+
+
+def test_complex_gradients_cast_part_by_part(ddp_semantics):
+    """Cast(bfloat16): a complex gradient's real and imaginary parts each halved, cast and
+    summed (a plain cast would drop the imaginary part); bytes_per_step counts both."""
+    results = [r["complex"] for r in ddp_semantics]
+    for k, local in enumerate(results[0]["cast_local"]):
+        parts = [torch.view_as_real(r["cast_local"][k]) if local.is_complex()
+                 else r["cast_local"][k] for r in results]
+        expected = sum((part / 2).to(torch.bfloat16) for part in parts).to(parts[0].dtype)
+        if local.is_complex():
+            expected = torch.view_as_complex(expected)
+            assert expected.imag.any()
+        for r in results:
+            assert torch.equal(r["cast_reduced"][k], expected), k
+    # each complex element travels as two bfloat16 numbers; at 2 ranks one all_reduce sends
+    # (W - 1) / W of twice the buffer
+    sizes = {torch.float32: 1, torch.complex64: 2, torch.complex128: 2}
+    assert results[0]["cast_bytes"] == sum((n + k) * sizes[dtype] * 2
+                                           for n, k, dtype in results[0]["cast_buckets"])
+
+
+def test_round_robin_averages_complex_state(ddp_semantics):
+    first, second = (r["complex"]["round_robin_state"] for r in ddp_semantics)
+    assert any(e["momentum_buffer"].is_complex() for e in first.values())
+    assert_identical(first, second)
+
+
+@pytest.mark.parametrize("name", ["topk", "threshold", "powersgd"])
+def test_compression_refuses_complex_parameters_by_name(ddp_semantics, name):
+    for r in ddp_semantics:
+        message = r["complex"]["refused"][name]
+        assert message.startswith("Invalid params: parameter 0 (shape (24,)) is complex "
+                                  "(torch.complex128)"), message
+        assert "None or Cast" in message
 
 
 # ---------------------------------------------------------------- failures
@@ -166,6 +249,10 @@ EXPECTED_ERRORS = {
     "unknown_kwarg": ("TypeError", "bogus"),
     "lr_kind": ("TypeError", "lr: 'fast'"),
     "sparse_gradient": ("ValueError", "sparse"),
+    # as DistributedOptimizer refuses it (torch.optim only warns, and steps it twice)
+    "duplicate": ("ValueError", "parameters 0 and 2 are the same tensor (expected each "
+                                "parameter once"),
+    "duplicate_across_groups": ("ValueError", "parameters 0 and 2 are the same tensor"),
 }
 
 
@@ -391,6 +478,38 @@ def test_different_models_on_different_ranks_are_refused(misused):
 def test_round_robin_optimizers_are_replaced_too(misused):
     assert misused[0]["rr_warnings"] == 1
     assert "closed" in misused[0]["rr_old_step"]
+
+
+# edit -> what every refusal must say (groups: the first layer's 2 parameters, then 4)
+EDIT_ERRORS = {
+    "appended": "Invalid param_groups[0]['params']: changed after construction (3 parameters, "
+                "were 2; added params[2] (a parameter it was not built with))",
+    "item-replaced": "Invalid param_groups[0]['params']: changed after construction (2 "
+                     "parameters, were 2; removed params[1]; added params[1]",
+    "list-replaced": "Invalid param_groups[1]['params']: changed after construction (2 "
+                     "parameters, were 4; removed params[2], params[3])",
+    "moved-from-group-1": "Invalid param_groups[0]['params']: changed after construction (3 "
+                          "parameters, were 2; added params[2] (params[3] of param_groups[1]))",
+    "group-appended": "Invalid param_groups: 3 groups, were 2 (expected the groups the "
+                      "DataParallelOptimizer was built with",
+    "group-deleted": "Invalid param_groups: 1 groups, were 2",
+    "key-deleted": "Invalid param_groups[1]: lacks 'momentum'",
+}
+
+
+@pytest.mark.parametrize("mode", ["overlap", "no-overlap", "eager"])
+@pytest.mark.parametrize("edit", sorted(EDIT_ERRORS))
+def test_param_group_edits_are_refused_before_anything_steps(misused, edit, mode):
+    """torch.optim would step the new list; the buckets cannot: the next backward, step,
+    clip_grad_norm_ and state_dict refuse, naming the group and the change, nothing moves,
+    and once restored training goes on as torch.optim's."""
+    for r in misused:
+        result = r["edits"][f"{mode}/{edit}"]
+        for call in ("backward", "step", "clip", "state_dict"):
+            assert EDIT_ERRORS[edit] in result[call], (call, result[call])
+        assert result["unchanged"]
+        assert _close(result["params"], misused[0]["reference"])
+        assert torch.equal(result["params"], misused[1]["edits"][f"{mode}/{edit}"]["params"])
 
 
 def test_a_pass_raised_before_any_bucket_counts_for_nothing(misused):

@@ -28,8 +28,22 @@ from distopt.parallel import (
 )
 from distopt.parallel import compression as compression_module
 from tests.parallel.cases import CASE_IDS, CASES
-from tests.parallel.ranks import SMALL_BUCKETS_MB, data, flat_params, groups_of, loss_of, make_model
+from tests.parallel.ranks import (
+    COMPLEX_CASES,
+    SMALL_BUCKETS_MB,
+    ZERO_GRAD_CASES,
+    Branchy,
+    ComplexModel,
+    data,
+    flat_params,
+    groups_of,
+    loss_of,
+    make_model,
+    train_complex,
+    train_unused,
+)
 from tests.parallel.world import run_world
+from tests.same import assert_identical
 
 STEPS = 4
 #: torch.optim's options that run the kernels the compiled step runs, where foreach=False
@@ -70,21 +84,6 @@ def _error_of(fn) -> str:
     except Exception as exc:  # noqa: B902 - reported to the test
         return f"{type(exc).__name__}: {exc}"
     return "no error"
-
-
-class _Branchy(torch.nn.Module):
-    """A model whose `extra` layer a step may use on every rank, on one, or on none."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Linear(6, 8)
-        self.head = torch.nn.Linear(8, 1)
-        self.extra = torch.nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
-        h = torch.tanh(self.body(x))
-        return self.head(h) + (self.extra(h) if use_extra else 0.0)
 
 
 # ---------------------------------------------------------------- rank side
@@ -175,7 +174,7 @@ def compression_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     # find_unused_parameters=True: with track_usage, a parameter this rank did not use keeps
     # its residual (here a large one, which TopK would send first otherwise).
     for track in (False, True):
-        model = _Branchy()
+        model = Branchy()
         ddp = DDP(model, find_unused_parameters=True)
         state, hook = compression_hook(TopK(0.3))
         ddp.register_comm_hook(state, hook)
@@ -258,6 +257,27 @@ def _train(model, ddp, opt, rank, world_size, steps, sched=None):
     return flat_params(model)
 
 
+#: name -> an edit of an OptimizerInBackward's param_groups (groups: the first layer's 2
+#: parameters, then the other 4) -> what every refusal must say.
+HOOK_EDITS = {
+    "appended": lambda g: g[0]["params"].append(torch.nn.Parameter(torch.zeros(3))),
+    "moved-from-group-1": lambda g: g[0]["params"].append(g[1]["params"].pop(0)),
+    "group-appended": lambda g: g.append({**g[1], "params": [torch.nn.Parameter(torch.zeros(3))]}),
+    "group-deleted": lambda g: g.__delitem__(1),
+    "key-deleted": lambda g: g[1].pop("betas"),
+}
+HOOK_EDIT_ERRORS = {
+    "appended": "Invalid param_groups[0]['params']: changed after construction (3 parameters, "
+                "were 2; added params[2] (a parameter it was not built with)) (expected the "
+                "parameters the OptimizerInBackward was built with",
+    "moved-from-group-1": "Invalid param_groups[0]['params']: changed after construction (3 "
+                          "parameters, were 2; added params[2] (params[0] of param_groups[1]))",
+    "group-appended": "Invalid param_groups: 3 groups, were 2",
+    "group-deleted": "Invalid param_groups: 1 groups, were 2",
+    "key-deleted": "Invalid param_groups[1]: lacks 'betas'",
+}
+
+
 def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     """Every dense class through optimizer_hook, DDP + torch.optim and DataParallelOptimizer;
     schedulers, lr changes, unused parameters, state_dict, errors."""
@@ -337,7 +357,7 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     uses = [(False, False), (True, False), (False, False), (True, True), (False, False)]
     unused = {}
     for name in ("hook", "torch"):
-        model = _Branchy()
+        model = Branchy()
         ddp = DDP(model, find_unused_parameters=True)
         if name == "hook":
             opt = optimizer_hook(ddp, torch.optim.Adam, model.parameters(), lr=1e-2)
@@ -353,6 +373,46 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
             extra.append(flat_params(model.extra))
         unused[name] = {"params": flat_params(model), "extra": extra}
     out["unused"] = unused
+
+    # zero_grad(set_to_none=False), a layer no rank uses in some steps: its zero .grad, which
+    # DDP leaves as it is, is stepped as torch.optim steps it.
+    zero = {}
+    for case, (cls, kwargs) in ZERO_GRAD_CASES.items():
+        for views in (False, True):
+            for name in ("hook", "torch"):
+                model = Branchy(never=True)
+                ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=views)
+                if name == "hook":
+                    opt = optimizer_hook(ddp, cls, model.parameters(), **kwargs)
+                else:
+                    opt = cls(model.parameters(), **kwargs)
+                zero[f"{case}/{views}/{name}"] = train_unused(model, ddp, opt, rank)
+    out["zero_grads"] = zero
+
+    # Complex parameters (several buckets of three dtypes): the hook's steps, and DDP's
+    # reduction through compression_hook(None), against DDP + torch.optim; a compression
+    # that carries real gradients only refuses them, naming the parameter.
+    runs = {}
+    for case, (cls, kwargs) in COMPLEX_CASES.items():
+        for name in ("hook", "none", "torch"):
+            model = ComplexModel()
+            ddp = _ddp(model)
+            if name == "hook":
+                opt = optimizer_hook(ddp, cls, model.parameters(), **kwargs)
+            else:
+                if name == "none":
+                    ddp.register_comm_hook(*compression_hook(None))
+                opt = cls(model.parameters(), **kwargs)
+            runs[f"{case}/{name}"] = train_complex(model, ddp, opt, rank)
+    out["complex"] = runs
+    model = ComplexModel()
+    ddp = _ddp(model)
+    out["complex_refused"] = _error_of(lambda: optimizer_hook(
+        ddp, torch.optim.SGD, model.parameters(), lr=0.1, compression=Threshold(0.1)))
+    ddp.register_comm_hook(*compression_hook(TopK(0.5)))
+    out["complex_refused_in_backward"] = _error_of(lambda: train_complex(
+        model, ddp, torch.optim.SGD(model.parameters(), lr=0.1), rank, steps=1))
+    dist.barrier()
 
     # TopK residuals are saved with the optimizer's state.
     model = make_model()
@@ -375,6 +435,29 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     opt._step_group = broken_step
     out["step_failure"] = _error_of(lambda: loss_of(ddp, *_batch(rank, world_size, 0)).backward())
     dist.barrier()
+
+    # Edits of param_groups the compiled steps cannot follow: refused at the next backward
+    # (before any collective), step, state_dict and load_state_dict; nothing moves.
+    out["edits"] = {}
+    for name, edit in HOOK_EDITS.items():
+        model = make_model()
+        ddp = _ddp(model)
+        opt = optimizer_hook(ddp, torch.optim.Adam, groups_of(model, 1e-2), lr=1e-2)
+        _train(model, ddp, opt, rank, world_size, 1)
+        sd = opt.state_dict()
+        before = flat_params(model)
+        edit(opt.param_groups)
+        out["edits"][name] = {
+            "backward": _error_of(lambda: loss_of(ddp, *_batch(rank, world_size, 1)).backward()),
+            "step": _error_of(opt.step),
+            "state_dict": _error_of(opt.state_dict),
+            "load_state_dict": _error_of(lambda: opt.load_state_dict(sd)),
+            "unchanged": torch.equal(flat_params(model), before),
+        }
+    dist.barrier()
+    out["errors_duplicate"] = _error_of(lambda: optimizer_hook(
+        _ddp(make_model()), torch.optim.SGD, [{"params": [p]} for p in [*model[0].parameters(),
+                                                                      model[0].weight]]))
 
     # Errors, before any collective.
     model = make_model()
@@ -529,13 +612,57 @@ def test_parameters_no_rank_used_are_left_alone(stepped):
     for r in stepped:
         hook, ref = r["unused"]["hook"], r["unused"]["torch"]
         # steps 0, 2 and 4 use `extra` nowhere: it must not move then
-        assert torch.equal(hook["extra"][0], flat_params(_Branchy().extra))
+        assert torch.equal(hook["extra"][0], flat_params(Branchy().extra))
         assert torch.equal(hook["extra"][2], hook["extra"][1])
         assert torch.equal(hook["extra"][4], hook["extra"][3])
         assert not torch.equal(hook["extra"][1], hook["extra"][0])
         assert torch.equal(hook["params"], ref["params"])  # DDP + fused torch.optim.Adam
     assert torch.equal(stepped[0]["unused"]["hook"]["params"],
                        stepped[1]["unused"]["hook"]["params"])
+
+
+@pytest.mark.parametrize("views", [False, True])
+@pytest.mark.parametrize("case", sorted(ZERO_GRAD_CASES))
+def test_zero_grads_of_unused_parameters_step_as_torch_optim(stepped, case, views):
+    """zero_grad(set_to_none=False), find_unused_parameters=True: a parameter no rank used
+    steps with the zero .grad DDP leaves it, bit for bit as torch.optim (None: left alone)."""
+    for r in stepped:
+        runs = r["zero_grads"]
+        torch_run = runs[f"{case}/{views}/torch"]
+        assert_identical(runs[f"{case}/{views}/hook"], torch_run, f"{case}/{views}")
+        steps = torch_run["steps"]
+        for step in (2, 3):  # no rank used `extra`: its zero .grad moved it all the same
+            assert not torch.equal(steps[step]["extra"], steps[step - 1]["extra"]), step
+            assert steps[step]["same_grad"] and not steps[step]["grad"].any(), step
+        assert steps[4]["grad"] is None and torch.equal(steps[4]["extra"], steps[3]["extra"])
+
+
+@pytest.mark.parametrize("case", sorted(COMPLEX_CASES))
+def test_complex_parameters_step_as_ddp_with_torch_optim(stepped, case):
+    first = stepped[0]["complex"]
+    for r in stepped:
+        runs = r["complex"]
+        assert torch.equal(runs[f"{case}/hook"], first[f"{case}/hook"])  # the ranks agree
+        assert torch.equal(runs[f"{case}/none"], runs[f"{case}/torch"])  # DDP's reduction
+        if case == "SGD":
+            # torch.optim.SGD steps complex parameters in complex arithmetic, the compiled
+            # step on their view_as_real (as torch.optim's other classes): the last bit
+            scale = float(runs[f"{case}/torch"].abs().max())
+            assert float((runs[f"{case}/hook"] - runs[f"{case}/torch"]).abs().max()) <= 1e-6 * scale
+        else:
+            assert torch.equal(runs[f"{case}/hook"], runs[f"{case}/torch"])
+    assert not torch.equal(first[f"{case}/hook"], flat_params(ComplexModel()))
+
+
+def test_compressions_for_real_gradients_refuse_complex_parameters(stepped):
+    for r in stepped:
+        message = r["complex_refused"]  # at construction, by the parameter's name
+        assert message.startswith("ValueError: Invalid params: phase is complex "
+                                  "(torch.complex128)"), message
+        assert "Threshold" in message
+        message = r["complex_refused_in_backward"]  # compression_hook knows no model
+        assert "Invalid params: the parameter of shape" in message, message
+        assert "is complex" in message and "TopK" in message
 
 
 def test_a_failed_step_raises_from_backward(stepped):
@@ -545,6 +672,21 @@ def test_a_failed_step_raises_from_backward(stepped):
         assert f"on rank {rank} of 2" in message and "DDP bucket 0" in message, message
         assert "injected step failure" in message
         assert "Unable to cast" not in message  # a failed future, not a bad value, for DDP
+
+
+@pytest.mark.parametrize("edit", sorted(HOOK_EDITS))
+def test_param_group_edits_are_refused_before_any_collective(stepped, edit):
+    for r in stepped:
+        result = r["edits"][edit]
+        for call in ("backward", "step", "state_dict", "load_state_dict"):
+            assert HOOK_EDIT_ERRORS[edit] in result[call], (call, result[call])
+        assert result["unchanged"]
+
+
+def test_one_tensor_twice_is_refused_as_data_parallel_optimizer_refuses_it(stepped):
+    message = stepped[0]["errors_duplicate"]
+    assert message.startswith("ValueError: Invalid params: parameters 0 and 2 are the same "
+                              "tensor (expected each parameter once"), message
 
 
 EXPECTED_ERRORS = {

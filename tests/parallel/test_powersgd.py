@@ -108,7 +108,8 @@ REFUSED = {
     "p_without_q": "state_dict['compression']['q_memory_dict']: buckets []",
     "rng_key": "state_dict['compression']['rng']['key']: (10,)",
     "rng_pos": "state_dict['compression']['rng']['pos']: 700",
-    "complex": "on torch.complex64 gradients (expected floating-point parameters",
+    "complex": "params: parameter 0 (shape (4, 4)) is complex (torch.complex64) (expected "
+               "real parameters",
 }
 
 
