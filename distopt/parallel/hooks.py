@@ -496,6 +496,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
         )
         self._plans: Dict[int, Tuple[Bucket, _Plan]] = {}  # by DDP bucket index
+        self._stepped = False  # a bucket stepped since the last step()
         self._skips_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
         if self._skips_unused:
             self.hook_state.track_usage([p for ps in group_params for p in ps])
@@ -516,12 +517,27 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, or None.
+
+        Raises:
+            RuntimeError: no backward pass stepped since the last ``step()`` and some
+                parameter has a ``.grad`` (a second ``step()``, or passes only inside
+                ``no_sync``), which torch.optim would step; nothing is stepped.
         """
         check_groups(self.param_groups, self._built)
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped, self._stepped = self._stepped, False
+        if not stepped and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            raise RuntimeError(
+                "Invalid step: no backward pass has stepped this OptimizerInBackward since the "
+                "last step(), but its parameters have gradients, which torch.optim would step "
+                "(again); here each bucket steps once, when DDP averages it during backward "
+                "(expected one backward pass outside no_sync() per step(), or zero_grad() "
+                "before a step() without one)"
+            )
+        return loss
 
     def _apply_changes(self) -> None:
         """Hyper-parameters changed in ``param_groups`` since the last backward pass reach the
@@ -536,6 +552,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def _step_bucket(self, bucket: Bucket) -> None:
         """Step the parameters of one averaged bucket (finishing thread)."""
+        self._stepped = True
         plan = self._plans.get(bucket.index)
         if plan is None or plan[0] is not bucket:
             plan = (bucket, self._plan(bucket))

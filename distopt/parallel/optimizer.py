@@ -279,7 +279,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: a collective failed (another rank died, raised or timed out),
-                naming this rank and the bucket; every later step raises it again.
+                naming this rank and the bucket; every later step raises it again. Or, with
+                ``overlap=True`` and a compiled class, a ``.grad`` was replaced, set to None
+                or changed in place after backward had stepped its bucket (with
+                ``overlap=False`` the step takes what ``.grad`` holds, as torch.optim).
             ValueError: ``param_groups`` were edited in a way the buckets cannot follow
                 (``distopt.param_groups.check_groups``: a group's ``params`` replaced or
                 changed in place, a group added or removed, a key deleted), before
@@ -337,7 +340,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def _check_grads_kept(self) -> None:
         """With overlap=True the buckets were stepped during backward: a ``.grad`` changed
         after that (DDP + torch.optim would step the change) cannot be applied any more."""
-        changed = [i for b in self._buckets if b.changed_since_step() for i in b.positions]
+        changed = sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
         if changed:
             raise RuntimeError(
                 f"Invalid step: the .grad of parameters {changed[:10]}"

@@ -906,18 +906,32 @@ def _error_of(call, error):
     return "no error"
 
 
-def _train_reference(steps, x, y, lr=0.1, momentum=0.9, clip=None, lrs=None):
+def _train_reference(steps, x, y, lr=0.1, momentum=0.9, clip=None, lrs=None, edit=None):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(steps):
         loss_of(model, x, y).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if edit is not None:
+            edit(model, step)
         if lrs is not None:
             opt.param_groups[0]["lr"] = lrs[step]
         opt.step()
         opt.zero_grad()
     return flat_params(model)
+
+
+def _edit_grads(model: torch.nn.Module, step: int) -> None:
+    """What training loops do to ``.grad`` between backward and step: replace it, set it to
+    None (torch.optim skips the parameter), clip it in place."""
+    if step == 0:
+        for p in model.parameters():
+            p.grad = p.grad * 0.5
+    elif step == 1:
+        model[0].weight.grad = None
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
 
 
 #: name -> an edit of param_groups the buckets cannot follow (groups: the first layer's
@@ -1021,6 +1035,21 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         out[f"late_lr/{overlap}"] = flat_params(model)
         out[f"late_lr_warnings/{overlap}"] = [str(w.message) for w in caught
                                             if "DataParallelOptimizer" in str(w.message)]
+
+    # .grad changed between backward and step: overlap=False steps what the user left, as
+    # torch.optim does; overlap=True stepped every bucket during backward, and says so.
+    for overlap in (False, True):
+        model = make_model()
+        opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), overlap=overlap,
+                                    bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+        errors = []
+        for step in range(3):
+            loss_of(model, xs, ys).backward()
+            _edit_grads(model, step)
+            errors.append(_error_of(opt.step, RuntimeError))
+            opt.zero_grad()
+        opt.close()
+        out[f"edited_grads/{overlap}"] = {"params": flat_params(model), "errors": errors}
 
     # Every rank's backward raises mid-pass; the next backward is refused clearly until
     # step() finishes that step; then training goes on in step.
@@ -1223,6 +1252,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     if rank == 0:
         out["reference_clip"] = _train_reference(4, x, y, clip=0.05)
         out["reference_lr"] = _train_reference(4, x, y, lrs=lrs)
+        out["reference_edited"] = _train_reference(3, x, y, edit=_edit_grads)
         out["reference"] = _train_reference(3, x, y)
         out["reference_4"] = _train_reference(4, x, y)
         out["reference_plain_4"] = _train_reference(4, x, y, momentum=0.0)

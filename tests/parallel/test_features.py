@@ -407,6 +407,23 @@ def test_hyperparameters_changed_between_backward_and_step(misused):
     assert "overlap=True" in first["late_lr_warnings/True"][0]
 
 
+def test_grads_changed_between_backward_and_step(misused):
+    first = misused[0]
+    # replaced, set to None, clipped in place: stepped as torch.optim steps them
+    assert first["edited_grads/False"]["errors"] == ["no error"] * 3
+    assert _close(first["edited_grads/False"]["params"], first["reference_edited"])
+    # overlap=True stepped during backward: every such step() raises, naming the parameters
+    errors = first["edited_grads/True"]["errors"]
+    for message in errors:
+        assert "changed between backward and step()" in message and "overlap=False" in message
+    assert "parameters [0, 1, 2, 3, 4, 5]" in errors[0]
+    assert "parameters [0] " in errors[1]
+    for r in misused:
+        for overlap in (False, True):
+            assert torch.equal(r[f"edited_grads/{overlap}"]["params"],
+                               first[f"edited_grads/{overlap}"]["params"])
+
+
 def test_backward_after_a_raised_backward_needs_step_first(misused):
     for r in misused:
         assert "previous backward pass raised" in r["after_raise"] and "step()" in r["after_raise"]

@@ -459,6 +459,21 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         _ddp(make_model()), torch.optim.SGD, [{"params": [p]} for p in [*model[0].parameters(),
                                                                       model[0].weight]]))
 
+    # A second step() with no backward pass in between is refused, nothing moving
+    # (torch.optim would step the same gradients again; each bucket stepped once, during
+    # backward); after zero_grad() it does nothing, as torch.optim.
+    model = make_model()
+    ddp = _ddp(model)
+    opt = optimizer_hook(ddp, torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, ddp, opt, rank, world_size, 1)
+    loss_of(ddp, *_batch(rank, world_size, 1)).backward()
+    opt.step()
+    before = flat_params(model)
+    out["second_step"] = _error_of(opt.step)
+    out["second_step_unchanged"] = torch.equal(flat_params(model), before)
+    opt.zero_grad()
+    out["step_after_zero_grad"] = _error_of(opt.step)
+
     # Errors, before any collective.
     model = make_model()
     frozen = torch.nn.Linear(2, 2)
@@ -672,6 +687,15 @@ def test_a_failed_step_raises_from_backward(stepped):
         assert f"on rank {rank} of 2" in message and "DDP bucket 0" in message, message
         assert "injected step failure" in message
         assert "Unable to cast" not in message  # a failed future, not a bad value, for DDP
+
+
+def test_a_second_step_without_backward_is_refused(stepped):
+    for r in stepped:
+        message = r["second_step"]
+        assert message.startswith("RuntimeError: Invalid step: no backward pass has"), message
+        assert "torch.optim would step" in message
+        assert r["second_step_unchanged"]
+        assert r["step_after_zero_grad"] == "no error"
 
 
 @pytest.mark.parametrize("edit", sorted(HOOK_EDITS))
