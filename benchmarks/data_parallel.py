@@ -19,7 +19,10 @@ Configurations, side by side:
   foreach=True)`` (sharded state, stepped after backward: its ``overlap_with_ddp=True``
   refuses gloo).
 - DataParallelOptimizer(torch.optim.Adam) with ``overlap=True`` (each bucket stepped as soon
-  as its average arrives) and ``overlap=False``; then, overlapped, ``Cast(bfloat16)``,
+  as its average arrives) and ``overlap=False``; each also under a ``GradScaler`` (the AMP
+  recipe, with a float32 forward so that the scaler's own cost shows, not that of float16
+  matmuls on a CPU), beside DDP + ``torch.optim.Adam(fused=True)`` with and without one (the
+  kernel DataParallelOptimizer runs); then, overlapped, ``Cast(bfloat16)``,
   ``Cast(float16)``, ``TopK(0.01)`` (error feedback), ``sync=RoundRobin(4)``, and sharded
   state, ``shard="param"`` and ``shard="flat"`` (each bucket stepped and all-gathered during
   backward).
@@ -42,8 +45,8 @@ brackets is to DDP's modelled step at the same bandwidth.
 
 Run: ``python benchmarks/data_parallel.py [--steps N] [--warmup N] [--params-millions M]
 [--batch B] [--markdown]``; the report (with ``--markdown``, markdown only) goes to stdout
-and ends with the run time; progress is logged to stderr. The defaults take about 80 s
-on 2 cores.
+and ends with the run time; progress is logged to stderr. The defaults take about 130 s
+on 2 cores (127 s with the GradScaler rows, the cores shared with other work).
 """
 import argparse
 import datetime
@@ -86,7 +89,9 @@ BANDWIDTHS_GBIT = (1, 10, 100)
 #: The seconds a collective waits for a lost peer.
 TIMEOUT_S = 120.0
 
-#: name -> (kind, DataParallelOptimizer keyword arguments); in the order of the table.
+#: name -> (kind, DataParallelOptimizer keyword arguments, or the torch.optim ones of "local"
+#: and "ddp"; ``"scaler": True``: the step is the GradScaler recipe); in the order of the
+#: table.
 CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "local Adam(foreach), no communication": ("local", {"foreach": True}),
     "local Adam(fused), no communication": ("local", {"fused": True}),
@@ -94,6 +99,10 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "DDP + ZeroRedundancyOptimizer(Adam)": ("zero", {}),
     "DPO(Adam) overlap=True": ("dpo", {}),
     "DPO(Adam) overlap=False": ("dpo", {"overlap": False}),
+    "DDP + Adam(fused)": ("ddp", {"fused": True}),
+    "DDP + Adam(fused) + GradScaler": ("ddp", {"fused": True, "scaler": True}),
+    "DPO(Adam) overlap=True + GradScaler": ("dpo", {"scaler": True}),
+    "DPO(Adam) overlap=False + GradScaler": ("dpo", {"overlap": False, "scaler": True}),
     "DPO(Adam) Cast(bf16)": ("dpo", {"compression": Cast(torch.bfloat16)}),
     "DPO(Adam) Cast(fp16)": ("dpo", {"compression": Cast(torch.float16)}),
     "DPO(Adam) TopK(0.01)": ("dpo", {"compression": TopK(0.01)}),
@@ -132,7 +141,8 @@ def build(kind: str, options: Dict[str, Any], layers: int, group: Any,
         return model, torch.optim.Adam(model.parameters(), lr=LR, **options), None
     if kind == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        return ddp, torch.optim.Adam(ddp.parameters(), lr=LR, foreach=True), dense
+        kwargs = options or {"foreach": True}
+        return ddp, torch.optim.Adam(ddp.parameters(), lr=LR, **kwargs), dense
     if kind == "zero":
         # overlap_with_ddp=True is refused on gloo: ZeRO steps after backward, then each
         # owner broadcasts its parameters (on average (W-1)/W of them leave each rank).
@@ -165,13 +175,22 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
               batch: Tuple[torch.Tensor, torch.Tensor], warmup: int,
               steps: int) -> Dict[str, Any]:
     """Warm-up and timed steps of one configuration; every step's seconds and the bytes."""
+    options = dict(options)
+    # The AMP recipe with a float32 forward: the scaler's own cost, not float16 matmuls'.
+    scaler = torch.amp.GradScaler("cpu") if options.pop("scaler", False) else None
     model, opt, payload = build(kind, options, layers, group, world_size)
     x, y = batch
 
     def one_step() -> float:
         start = time.perf_counter()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+        loss = F.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
         return time.perf_counter() - start
 
@@ -340,6 +359,30 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
     else:
         widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
         for cells in table:
+            lines.append("  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            ))
+    lines.append("")
+    lines.append(
+        "GradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update(), "
+        "float32 forward): each row against the same configuration without the scaler, and "
+        "against DDP + Adam(fused) + GradScaler (the kernel DataParallelOptimizer runs)"
+    )
+    lines.append("")
+    scaled_table = [["config", "step ms", "/ without GradScaler",
+                     "/ DDP + Adam(fused) + GradScaler"]]
+    reference = rows["DDP + Adam(fused) + GradScaler"]["ms"]
+    for name, entry in rows.items():
+        if name.endswith(" + GradScaler"):
+            plain = rows[name[:-len(" + GradScaler")]]["ms"]
+            scaled_table.append([name, f"{entry['ms']:.1f}", f"{entry['ms'] / plain:.2f}",
+                                 f"{entry['ms'] / reference:.2f}"])
+    if md:
+        scaled_table.insert(1, ["---", "---:", "---:", "---:"])
+        lines.extend("| " + " | ".join(cells) + " |" for cells in scaled_table)
+    else:
+        widths = [max(len(r[i]) for r in scaled_table) for i in range(4)]
+        for cells in scaled_table:
             lines.append("  ".join(
                 c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
             ))

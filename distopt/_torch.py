@@ -6,6 +6,7 @@ itself runs and which distopt calls from TorchScript functions (``distopt.clippi
 a Python wrapper cannot be called.
 """
 import sys
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "jit_enabled",
     "known_worker_ids",
     "queue_end_of_backward",
+    "release_retired_groups",
     "retrieve_context",
     "rpc_initialized",
     "version",
@@ -198,3 +200,24 @@ def destroy_private_group(group: Any) -> None:
 def _drop_retired() -> None:
     # 3 references: the list's, the loop variable's and getrefcount's argument.
     _RETIRED[:] = [g for g in _RETIRED if sys.getrefcount(g) > 3]
+
+
+def release_retired_groups(timeout_s: float) -> bool:
+    """Drop, on the calling thread, every group ``destroy_private_group`` kept, waiting up
+    to ``timeout_s`` for the others holding one to let go; True when none is left.
+
+    Needed at interpreter exit: the last reference to a gloo group, dropped, joins the
+    group's worker threads (torch releases the GIL there), and only then have they stopped
+    touching Python objects. Until then a worker still releasing a finished work (its
+    tensors' Python objects) or torch's PowerSGD callbacks takes the GIL, and once
+    finalization has begun Python 3.11 ends such a thread with ``pthread_exit``, which
+    inside C++ code aborts the process ("terminate called without an active exception").
+    Nothing tells when a worker has released those callbacks but the group's reference
+    count, so this polls it (every millisecond, GIL released).
+    """
+    deadline = time.monotonic() + timeout_s
+    _drop_retired()
+    while _RETIRED and time.monotonic() < deadline:
+        time.sleep(0.001)
+        _drop_retired()
+    return not _RETIRED

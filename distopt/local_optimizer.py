@@ -34,6 +34,7 @@ from functional import (
     to_torch_state_dict,
 )
 from functional import _native
+from functional._kernels import unscale_gradients
 from functional._state import (
     checked_state,
     functional_state,
@@ -362,6 +363,27 @@ class _FunctionalGroups(torch.nn.Module):
     def step_group(self, group: int, gradients: List[Optional[Tensor]]) -> None:
         """Step one group with ``gradients`` (its parameters' order; None skips one)."""
         self.optims[group].step(gradients)
+
+    @torch.jit.export
+    def step_group_scaled(
+        self,
+        group: int,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
+        """``step_group`` under a ``GradScaler``, with the ``grad_scale`` (None once
+        ``scaler.unscale_`` ran) and ``found_inf`` it hands an optimizer whose
+        ``_step_supports_amp_scaling`` is set: as torch.optim steps with them. A class with a
+        fused kernel (``step_scaled``) gives them to it, as torch.optim's ``fused=True``
+        classes do; every other class's gradients are divided in place and its step skipped
+        after an inf or NaN, as ``GradScaler.unscale_`` and ``step`` treat torch.optim's
+        other classes (``unscale_gradients``)."""
+        optim = self.optims[group]
+        if hasattr(optim, "step_scaled"):
+            optim.step_scaled(gradients, grad_scale, found_inf)
+        elif not unscale_gradients(gradients, grad_scale, found_inf):
+            optim.step(gradients)
 
     @torch.jit.export
     def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:

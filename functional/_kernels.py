@@ -371,6 +371,75 @@ def increment_steps(steps: List[Tensor]) -> None:
         torch._foreach_add_(steps, 1.0)
 
 
+def unscale_gradients(
+    gradients: List[Optional[Tensor]], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]
+) -> bool:
+    """What torch.optim meets under a ``GradScaler`` when its step takes no ``grad_scale``
+    (every class but the fused ones): each gradient divided in place by the scale as
+    ``GradScaler.unscale_`` divides it (times the reciprocal taken in float64, then float32;
+    a sparse gradient's values), and whether the step is to be skipped (``found_inf``, the
+    scaler's inf/NaN check, is not 0: torch.optim's ``step`` is then not called at all, so
+    no state is made). ``grad_scale`` None: the gradients are unscaled already
+    (``scaler.unscale_(opt)`` ran)."""
+    if grad_scale is not None:
+        inv_scale = grad_scale.double().reciprocal().float()
+        # By device and dtype, as GradScaler.unscale_ groups them.
+        groups: List[List[Tensor]] = []
+        for g in gradients:
+            if g is not None:
+                t = g._values() if g.is_sparse else g
+                placed = False
+                for group in groups:
+                    if not placed and group[0].device == t.device and group[0].dtype == t.dtype:
+                        group.append(t)
+                        placed = True
+                if not placed:
+                    groups.append([t])
+        for group in groups:
+            device = group[0].device
+            seen = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, seen, inv_scale.to(device))
+    if found_inf is None:
+        return False
+    return bool(found_inf.item() != 0.0)
+
+
+def scaled_route(
+    gradients: List[Optional[Tensor]],
+    grad_scale: Optional[Tensor],
+    found_inf: Optional[Tensor],
+    fused: bool,
+) -> int:
+    """How a class's ``step_scaled`` steps under a ``GradScaler``: 0, its plain update (no
+    scaler, or the gradients unscaled in place here by ``unscale_gradients`` without an inf);
+    1, no update at all (an inf or NaN, as torch.optim's step is then not called); 2, its
+    fused kernel given ``grad_scale`` and ``found_inf`` (``fused``: the step runs on it), as
+    torch.optim's fused classes are given them."""
+    if grad_scale is None and found_inf is None:
+        return 0
+    if fused:
+        return 2
+    if unscale_gradients(gradients, grad_scale, found_inf):
+        return 1
+    return 0
+
+
+def count_back(steps: List[Tensor], found_inf: Optional[Tensor]) -> None:
+    """After a fused kernel given ``found_inf``: ``step -= found_inf``, so that a step the
+    kernel skipped is not counted (torch.optim's fused classes do the same)."""
+    if found_inf is None or len(steps) == 0:
+        return
+    flag = found_inf.to(steps[0].device)
+    torch._foreach_sub_(steps, [flag for _ in range(len(steps))])
+
+
+def on_device(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+    """``t`` on ``like``'s device (a fused kernel's ``grad_scale`` / ``found_inf``), or None."""
+    if t is None:
+        return None
+    return t.to(like.device)
+
+
 def step_values(steps: List[Tensor]) -> List[float]:
     """The step counts as floats, read once each (the foreach paths' per-tensor sizes)."""
     return [float(s.item()) for s in steps]

@@ -32,6 +32,7 @@ from functional._kernels import (
     add_sparse_,
     check_spec_state,
     copy_back,
+    count_back,
     decayed,
     fit_fused_layouts,
     gather,
@@ -39,9 +40,11 @@ from functional._kernels import (
     new_state,
     no_operands,
     numbers,
+    on_device,
     release,
     signed,
     step_values,
+    scaled_route,
 )
 
 
@@ -83,9 +86,13 @@ def adagrad_update(
     eps: float,
     maximize: bool,
     fused: bool,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
 ) -> None:
     """One Adagrad step over ``gather``'s operands ``[params, grads, steps, sums]``, on the
-    fused kernel or on foreach ops."""
+    fused kernel or on foreach ops. ``grad_scale`` and ``found_inf`` (a GradScaler's, fused
+    only) go to the kernel, which divides the gradients by the one and skips the update
+    where the other is 1."""
     params, grads, steps, sums = ops[0], ops[1], ops[2], ops[3]
     if len(params) == 0:
         return
@@ -95,8 +102,10 @@ def adagrad_update(
         increment_steps(steps)
         torch._fused_adagrad_(
             params, grads, sums, steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
-            eps=eps, maximize=maximize,
+            eps=eps, maximize=maximize, grad_scale=on_device(grad_scale, params[0]),
+            found_inf=on_device(found_inf, params[0]),
         )
+        count_back(steps, found_inf)
         copy_back(staged)
         return
     grads = signed(grads, maximize)
@@ -266,6 +275,37 @@ class FunctionalAdagrad:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient while weight_decay is not 0.
         """
+        self._update(gradients, None, None)
+
+    def step_scaled(
+        self,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
+        """``step`` under a ``GradScaler``, as torch.optim.Adagrad steps with the scaler's
+        ``grad_scale`` (None once ``scaler.unscale_`` ran) and ``found_inf``: on the fused
+        kernel, which divides the gradients by the scale and changes nothing where
+        ``found_inf`` is not 0, the step counted back; on the foreach kernels (or with a
+        sparse gradient) as torch.optim's foreach Adagrad under ``GradScaler.unscale_``: the
+        gradients divided in place, and no step at all after an inf or NaN
+        (``unscale_gradients``)."""
+        fused = self.use_fused
+        for g in gradients:
+            if g is not None and g.is_sparse:
+                fused = False
+        route = scaled_route(gradients, grad_scale, found_inf, fused)
+        if route == 0:
+            self._update(gradients, None, None)
+        elif route == 2:
+            self._update(gradients, grad_scale, found_inf)
+
+    def _update(
+        self,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
             fits = gather(
@@ -278,7 +318,7 @@ class FunctionalAdagrad:
             for s in range(len(fits) - 1):
                 adagrad_update(
                     self.live[s], fits[s], lr, self.lr_decay, self.weight_decay, self.eps,
-                    self.maximize, self.use_fused,
+                    self.maximize, self.use_fused, grad_scale, found_inf,
                 )
             adagrad_sparse_update(
                 self.live[len(fits) - 1], lr, self.lr_decay, self.eps, self.maximize

@@ -42,16 +42,19 @@ from functional._kernels import (
     scalar_places,
     check_spec_state,
     copy_back,
+    count_back,
     decayed,
     fit_fused_layouts,
     gather,
     increment_steps,
     no_operands,
     numbers,
+    on_device,
     release,
     signed,
     step_counts,
     step_values,
+    scaled_route,
 )
 
 
@@ -76,10 +79,14 @@ def adam_update(
     fused: bool,
     capturable: bool,
     lr_t: Optional[Tensor],
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
 ) -> None:
     """One Adam step over ``gather``'s operands ``[params, grads, steps, exp_avgs,
     exp_avg_sqs, (max_exp_avg_sqs)]``, on the fused kernel or on foreach ops (their
-    graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
+    graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr). ``grad_scale``
+    and ``found_inf`` (a GradScaler's, fused only) go to the kernel, which divides the
+    gradients by the one and skips the update where the other is 1."""
     params, grads, steps, exp_avgs, exp_avg_sqs = ops[0], ops[1], ops[2], ops[3], ops[4]
     max_exp_avg_sqs = ops[5] if amsgrad else torch.jit.annotate(List[Tensor], [])
     if len(params) == 0:
@@ -88,18 +95,21 @@ def adam_update(
         staged = fit_fused_layouts(params, grads, exp_avgs) if fit else [params[:0], params[:0]]
         # The fused kernels read the already incremented step, as torch.optim arranges.
         increment_steps(steps)
+        scale = on_device(grad_scale, params[0])
+        inf = on_device(found_inf, params[0])
         if decoupled_weight_decay:
             torch._fused_adamw_(
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                amsgrad=amsgrad, maximize=maximize,
+                amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=inf,
             )
         else:
             torch._fused_adam_(
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                amsgrad=amsgrad, maximize=maximize,
+                amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=inf,
             )
+        count_back(steps, found_inf)
         copy_back(staged)
         return
     grads = signed(grads, maximize)
@@ -274,6 +284,32 @@ class FunctionalAdam:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
             RuntimeError: for a sparse gradient.
         """
+        self._update(gradients, None, None)
+
+    def step_scaled(
+        self,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
+        """``step`` under a ``GradScaler``, as torch.optim.Adam steps with the scaler's
+        ``grad_scale`` (None once ``scaler.unscale_`` ran) and ``found_inf``: on the fused
+        kernel, which divides the gradients by the scale and, where ``found_inf`` is not 0,
+        changes nothing but new (zero) state, the step counted back; on the foreach kernels
+        as torch.optim's foreach Adam under ``GradScaler.unscale_``: the gradients divided
+        in place, and no step at all after an inf or NaN (``unscale_gradients``)."""
+        route = scaled_route(gradients, grad_scale, found_inf, self.use_fused)
+        if route == 0:
+            self._update(gradients, None, None)
+        elif route == 2:
+            self._update(gradients, grad_scale, found_inf)
+
+    def _update(
+        self,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
         # The fused kernel takes a float lr; a capturable foreach step reads a Tensor lr on
         # its device.
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable and not self.use_fused)
@@ -290,6 +326,7 @@ class FunctionalAdam:
                     self.live[g], fits[g], lr, beta1, beta2, self.eps,
                     self.weight_decay, self.amsgrad, self.maximize,
                     self.decoupled_weight_decay, self.use_fused, self.capturable, lr_t,
+                    grad_scale, found_inf,
                 )
             release(self.live, self.groups)
 

@@ -36,10 +36,12 @@ from functional._kernels import (
     fit_fused_layouts,
     new_operands,
     no_operands,
+    on_device,
     real_views,
     refuse,
     release,
     signed,
+    scaled_route,
 )
 
 
@@ -181,9 +183,14 @@ def sgd_update(
     nesterov: bool,
     maximize: bool,
     fused: bool,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
 ) -> None:
     """One SGD step over ``[params, grads, momentum_buffers]`` (no buffers without momentum),
     on the fused kernel or on foreach ops; ``first``: the buffers are new (``b_1 = g``).
+    ``grad_scale`` and ``found_inf`` (a GradScaler's; ``FunctionalSGD.step_scaled`` gives
+    them to the fused kernel only) make the kernel divide the gradients by the one and skip
+    the update where the other is 1.
 
     float16 and bfloat16 groups take the foreach ops even when ``fused``: torch 2.13's fused
     CPU SGD kernel leaves such parameters of 16 or more elements unchanged (and, with
@@ -198,6 +205,7 @@ def sgd_update(
         torch._fused_sgd_(
             params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
             dampening=dampening, nesterov=nesterov, maximize=maximize, is_first_step=first,
+            grad_scale=on_device(grad_scale, params[0]), found_inf=on_device(found_inf, params[0]),
         )
         copy_back(staged)
         return
@@ -215,6 +223,18 @@ def sgd_update(
         else:
             grads = bufs
     torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def _all_fused(params: List[Tensor], gradients: List[Optional[Tensor]]) -> bool:
+    """Whether ``sgd_update``'s fused kernel steps every given gradient: dense ones of
+    parameters other than float16/bfloat16."""
+    for i in range(len(gradients)):
+        g = gradients[i]
+        if g is not None:
+            dtype = params[i].dtype
+            if g.is_sparse or dtype == torch.float16 or dtype == torch.bfloat16:
+                return False
+    return True
 
 
 def sparse_mix(i: int, what: str) -> None:
@@ -379,6 +399,38 @@ class FunctionalSGD:
         Raises:
             ValueError: if the list's length, or a gradient's shape or dtype, does not match.
         """
+        self._update(gradients, None, None)
+
+    def step_scaled(
+        self,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
+        """``step`` under a ``GradScaler``, as torch.optim.SGD steps with the scaler's
+        ``grad_scale`` (None once ``scaler.unscale_`` ran) and ``found_inf``: on the fused
+        kernel, which divides the gradients by the scale and changes nothing where
+        ``found_inf`` is not 0; elsewhere (foreach, float16/bfloat16 parameters, sparse
+        gradients) as torch.optim's other paths under ``GradScaler.unscale_``: the gradients
+        divided in place, and no step at all after an inf or NaN (``unscale_gradients``).
+
+        A skipped first momentum step keeps no buffer, so the next step is a first one
+        (torch 2.13's fused SGD keeps the uninitialized buffer it made for it and steps the
+        next update with that memory).
+        """
+        fused = self.use_fused and _all_fused(self.params, gradients)
+        route = scaled_route(gradients, grad_scale, found_inf, fused)
+        if route == 0:
+            self._update(gradients, None, None)
+        elif route == 2:
+            self._update(gradients, grad_scale, found_inf)
+
+    def _update(
+        self,
+        gradients: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor],
+        found_inf: Optional[Tensor],
+    ) -> None:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
             fits, first_indices, first_bufs, sparse_indices = sgd_gather(
@@ -389,9 +441,14 @@ class FunctionalSGD:
                 sgd_update(
                     self.live[s], fits[s], s % 2 == 0, lr, self.momentum, self.dampening,
                     self.weight_decay, self.nesterov, self.maximize, self.use_fused,
+                    grad_scale, found_inf,
                 )
-            for k in range(len(first_indices)):
-                self.state[first_indices[k]] = {"momentum_buffer": first_bufs[k]}
+            skipped = (
+                len(first_indices) > 0 and found_inf is not None and float(found_inf.item()) != 0.0
+            )
+            if not skipped:  # a skipped first step's new buffers were never written
+                for k in range(len(first_indices)):
+                    self.state[first_indices[k]] = {"momentum_buffer": first_bufs[k]}
             release(self.live, self.groups)
             for i in sparse_indices:
                 grad = gradients[i]

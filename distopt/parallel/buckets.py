@@ -44,6 +44,9 @@ class Bucket:
             it, ``leave_unused`` gives it back (DDP leaves such a ``.grad`` as it is).
         stepped: after the bucket was stepped in this window, the buffer's version and each
             parameter's ``.grad`` then (``changed_since_step``); None before.
+        divisor: what this window's sum of gradients is divided by: None for the world
+            size; under ``torch.distributed.algorithms.Join`` with
+            ``divide_by_initial_world_size=False``, the number of ranks not yet joined.
     """
 
     def __init__(self, index: int, params: List[Tensor], positions: List[int]) -> None:
@@ -70,6 +73,7 @@ class Bucket:
         self.last = False
         self.kept: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.stepped: Optional[Tuple[int, List[Optional[Tensor]]]] = None
+        self.divisor: Optional[int] = None
 
     @property
     def dtype(self) -> torch.dtype:

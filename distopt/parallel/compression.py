@@ -5,7 +5,9 @@ the collective) and ``finish`` (wait, decode into the bucket's buffer, which the
 average of the ranks' gradients and, in its flag part, how many ranks used each parameter).
 
 - no compression: the buffer is divided by the world size and all-reduced (SUM) in place;
-  a complex one as its ``view_as_real``.
+  a complex one as its ``view_as_real``. (Under ``torch.distributed.algorithms.Join`` with
+  ``divide_by_initial_world_size=False`` every scheme but PowerSGD divides by the number of
+  ranks not yet joined instead: ``Bucket.divisor``.)
 - ``Cast(dtype)``: the same in ``float16`` or ``bfloat16``; dividing first keeps float16 from
   overflowing where the sum of W gradients would.
 - The sparsifying schemes and PowerSGD take real gradients only (``check_params`` names a
@@ -58,6 +60,10 @@ class Compression:
         """The scheme as one optimizer uses it, once its communication group is known (a
         scheme with state per optimizer returns a new object; the others themselves)."""
         return self
+
+    def release_group(self) -> None:
+        """The optimizer is closed: let go of the group ``bound`` was given (the state stays
+        readable); its last reference stops its worker threads."""
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """This rank's state of the scheme beyond ``residuals`` (None: it has none); it is
@@ -123,10 +129,11 @@ class _Dense(Compression):
 
     def issue(self, bucket: Bucket, group: Any, world_size: int) -> Any:
         values = _real(bucket.buffer)
+        divisor = bucket.divisor or world_size
         if self.dtype is None or self.dtype == values.dtype:
-            wire = values.div_(world_size)
+            wire = values.div_(divisor)
         else:
-            wire = values.div(world_size).to(self.dtype)
+            wire = values.div(divisor).to(self.dtype)
         return wire, dist.all_reduce(wire, group=group, async_op=True)
 
     def finish(self, pending: Any, bucket: Bucket, world_size: int) -> None:
@@ -234,7 +241,7 @@ class _Sparsify(Compression):
                                             index_dtype, bucket.dtype)
             total.index_add_(0, indices.long(), values)
             flags += used
-        total.div_(world_size)
+        total.div_(bucket.divisor or world_size)
         bucket.flags.copy_(flags)
 
     def bytes_per_step(self, numels: List[Tuple[int, int]], dtype: torch.dtype,

@@ -20,6 +20,7 @@ order, so every rank issues the same collectives in the same order (gloo aborts 
 One thread per hook then waits for each reduction, decodes it, steps (``optimizer_hook``) and
 completes the future DDP waits for at the end of backward; it issues no collective.
 """
+import contextlib
 import logging
 import queue
 import threading
@@ -43,7 +44,14 @@ from distopt.param_groups import (
 )
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, TopK, dense_reduction
-from distopt.parallel.optimizer import _group_info, _param_groups, saved_layout
+from distopt.parallel.teardown import close_at_exit, join_at_exit
+from distopt.parallel.optimizer import (
+    _amp_scaling,
+    _drop_amp_scaling,
+    _group_info,
+    _param_groups,
+    saved_layout,
+)
 from functional import functional_optim_map
 from functional._state import check_hyperparameter
 
@@ -105,9 +113,17 @@ class CompressionHookState:
         codec = dense_reduction() if compression is None else compression
         if isinstance(codec, TopK) and codec.ratio == 1.0:
             codec = dense_reduction()  # the same average, bit for bit, without the indices
+        # The collectives go to a copy of the default group, of this state's own, when DDP
+        # reduces over the default group: a group that can be destroyed and dropped when
+        # the state closes (at exit, too), which stops its gloo worker threads before the
+        # interpreter tears down (``distopt.parallel.teardown``). Over a group of the user's
+        # own, that group (a copy would need every rank of the default group).
+        self._comm_group = group
+        if world_size > 1 and (group is None or group is dist.group.WORLD):
+            self._comm_group = _torch.private_group()
         # DDP's buckets are not known before its first backward pass (``bucket.last`` is
         # set from DDP's own at each call).
-        self._codec = codec.bound(group, rank, world_size, [])
+        self._codec = codec.bound(self._comm_group, rank, world_size, [])
         self.compression = compression
         self.process_group = group
         self.rank = rank
@@ -124,7 +140,13 @@ class CompressionHookState:
         self._handles: List[Any] = []
         self._jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
         self._threads: List[threading.Thread] = []  # the finishing thread, once started
-        weakref.finalize(self, _stop_finishing, self._jobs, self._threads)
+        self._closed = False
+        # Dropped without close(): stop the thread, retire the private group (the exit joins
+        # and drops them, waiting; ``distopt.parallel.teardown``).
+        private = self._comm_group if self._comm_group is not group else None
+        self._abandoned = weakref.finalize(self, _abandon, self._jobs, private)
+        self._abandoned.atexit = False
+        close_at_exit(self)
 
     def __repr__(self) -> str:
         return (f"CompressionHookState(compression={self.compression!r}, rank={self.rank}, "
@@ -153,6 +175,12 @@ class CompressionHookState:
                 raised; RuntimeError: a collective could not be issued (naming this rank and
                 the bucket).
         """
+        if self._closed:
+            raise RuntimeError(
+                f"Invalid backward pass: the {type(self).__name__} of this DDP model's "
+                f"communication hook is closed (expected a new DDP model and hook: DDP "
+                f"cannot remove a hook)"
+            )
         index = grad_bucket.index()
         if index == 0 and self._before_first is not None:
             self._before_first()
@@ -166,7 +194,7 @@ class CompressionHookState:
         bucket.last = grad_bucket.is_last()
         who = (self.rank, self.world_size, self.compression)
         try:
-            pending = self._codec.issue(bucket, self.process_group, self.world_size)
+            pending = self._codec.issue(bucket, self._comm_group, self.world_size)
         except RuntimeError as exc:
             raise RuntimeError(f"{_where(who, bucket)} could not be issued: {exc}") from exc
         finally:
@@ -235,7 +263,37 @@ class CompressionHookState:
                 name=f"distopt-ddp-hook-{self.rank}",
             )
             thread.start()
+            join_at_exit(thread)
             self._threads.append(thread)
+
+    # ------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Stop the finishing thread, after the reductions in flight, and destroy the group
+        of this state's own; a backward pass through the hook raises from then on (DDP
+        cannot remove a hook). A state still open when the interpreter exits is closed
+        then (``distopt.parallel.teardown``), one no longer referenced stops by itself."""
+        self._close(None)
+
+    def _close(self, timeout_s: Optional[float]) -> bool:
+        """``close()``, waiting up to ``timeout_s`` for the thread; whether it stopped."""
+        self._closed = True
+        self._abandoned.detach()
+        self._jobs.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout_s)
+        self._threads = [thread for thread in self._threads if thread.is_alive()]
+        if self._threads:
+            return False
+        comm = self._comm_group
+        if comm is not None and comm is not self.process_group:
+            # Every reduction issued was waited for: nothing is in flight on it.
+            self._comm_group = None
+            self._codec.release_group()
+            with contextlib.suppress(Exception):  # a peer already gone
+                _torch.destroy_private_group(comm)
+        return True
 
     # ------------------------------------------------------------ residuals, usage
 
@@ -288,19 +346,13 @@ def _mark_used(used: set) -> Callable[[Tensor], None]:
     return hook
 
 
-def _stop_finishing(jobs: "queue.SimpleQueue[Optional[_Job]]",
-                    threads: List[threading.Thread]) -> None:
-    """Stop the finishing thread after the jobs queued (when its state is collected, or at
-    exit: a thread still running while the interpreter shuts down can abort the process)."""
+def _abandon(jobs: "queue.SimpleQueue[Optional[_Job]]", private_group: Any) -> None:
+    """A state was freed without ``close()``: stop its finishing thread after the jobs
+    queued, without waiting (the exit joins it), and retire its private group."""
     jobs.put(None)
-    for thread in threads:
-        if thread is not threading.current_thread():
-            thread.join(timeout=_STOP_TIMEOUT_S)
-
-
-#: The longest a stopping finishing thread is waited for (a reduction with a lost peer waits
-#: for the process group's timeout).
-_STOP_TIMEOUT_S = 10.0
+    if private_group is not None:
+        with contextlib.suppress(Exception):  # a peer already gone
+            _torch.destroy_private_group(private_group)
 
 
 def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
@@ -439,6 +491,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
             Threshold, PowerSGD), named.
     """
 
+    #: So that ``GradScaler.step(opt)`` calls ``step()``, which refuses it: every bucket was
+    #: stepped during backward, before the scaler could unscale or look for inf/NaN.
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         ddp_model: DistributedDataParallel,
@@ -521,8 +577,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
         Raises:
             RuntimeError: no backward pass stepped since the last ``step()`` and some
                 parameter has a ``.grad`` (a second ``step()``, or passes only inside
-                ``no_sync``), which torch.optim would step; nothing is stepped.
+                ``no_sync``), which torch.optim would step; nothing is stepped. Or a
+                ``GradScaler`` calls it (``scaler.step(opt)``): backward has stepped every
+                bucket with the scaled gradients already.
         """
+        if _amp_scaling(self) is not None:
+            _drop_amp_scaling(self)  # GradScaler.step deletes them only after a step that returns
+            raise RuntimeError(
+                "Invalid step: a GradScaler steps this OptimizerInBackward, but every bucket "
+                "was stepped during backward, as soon as DDP had averaged it, with the scaled "
+                "gradients and before the scaler could unscale them or look for inf/NaN "
+                "(expected DataParallelOptimizer, whose steps wait for the scaler, or DDP "
+                "with a torch.optim optimizer)"
+            )
         check_groups(self.param_groups, self._built)
         loss = None
         if closure is not None:
@@ -538,6 +605,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "before a step() without one)"
             )
         return loss
+
+    def close(self) -> None:
+        """Close the hook's state (``CompressionHookState.close``): its finishing thread
+        stops and its group is destroyed; a later backward pass through the DDP model
+        raises. An open one is closed when the interpreter exits."""
+        self.hook_state.close()
 
     def _apply_changes(self) -> None:
         """Hyper-parameters changed in ``param_groups`` since the last backward pass reach the

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Unio
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from distopt import _torch
 from distopt.arguments import check_arguments, check_optimizer_class
@@ -32,13 +33,17 @@ from distopt.param_groups import (
     pending_changes,
     snapshot,
 )
+from distopt.parallel import buffers as _buffers
 from distopt.parallel import checkpoint as _checkpoint
+from distopt.parallel import join as _join
 from distopt.parallel import shard as _shard
 from distopt.parallel.buckets import Bucket, assign_buckets
 from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.reducer import GradientReducer
 from distopt.parallel.sync import RoundRobin, average_, collective_device, partition
+from distopt.parallel.teardown import close_at_exit
 from functional import functional_optim_map
+from functional._kernels import unscale_gradients
 from functional._state import check_hyperparameter
 from functional._validation import duplicate_pair
 
@@ -47,7 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DataParallelOptimizer"]
 
 
-class DataParallelOptimizer(torch.optim.Optimizer):
+class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
     r"""Data-parallel training with any torch.optim algorithm, on torch.distributed.
 
     Use it where you would wrap the model in DDP and build a torch.optim optimizer: the
@@ -74,6 +79,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     ``with`` block) removes the hooks; a newer DataParallelOptimizer over the same
     parameters closes this one.
 
+    With ``module=model`` the model's buffers (BatchNorm's running statistics) are
+    broadcast from the first rank before each forward, as DDP's ``broadcast_buffers=True``
+    does. It is a :class:`torch.distributed.algorithms.Joinable`: under
+    ``with Join([opt]):`` ranks with fewer batches finish first and shadow the others'
+    collectives, contributing zero gradients and stepping as they do
+    (``distopt.parallel.join``).
+
     Args:
         optimizer_class: a torch.optim class. Those in ``functional.functional_optim_map``
             (all of torch.optim's but LBFGS) step compiled, bucket by bucket; any other
@@ -92,20 +104,33 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         sync: None (average gradients) or ``RoundRobin(k)`` (step locally, average a
             partition of the parameters per step).
         overlap: step each bucket as soon as its reduction arrives, during backward
-            (compiled classes; eager ones overlap only the reduction). Set False to step
-            after the last bucket, for instance to clip gradients first.
+            (compiled classes; eager ones overlap only the reduction), from the second step
+            on and in no step a ``GradScaler`` takes: those wait for ``step()``, after the
+            scaler's inf/NaN check (see ``_next_plan``). Set False to step after the last
+            bucket, for instance to clip gradients first.
         shard: None (every rank holds all the optimizer state), ``"param"`` (each rank
             holds the state of whole parameters, about 1/W of it: the choice for
             Adafactor and Muon) or ``"flat"`` (1/W of each bucket's elements; elementwise
             classes): each rank steps its share and the parameters are all-gathered, bucket
             by bucket (``distopt.parallel.shard``). An eager class takes ``"param"``: it
             steps this rank's parameters after the last bucket.
+        module: None, or the model whose parameters ``params`` are: its buffers are
+            broadcast from the group's first rank at construction and before each forward,
+            as DDP's ``broadcast_buffers=True`` does, and its parameters outside ``params``
+            (frozen ones) at construction (``distopt.parallel.buffers``).
+        broadcast_buffers: False: ``module``'s buffers are never broadcast (DDP's
+            ``broadcast_buffers=False``).
         **kwargs: the optimizer's keyword arguments.
 
     Raises:
         TypeError / ValueError: a bad argument, named, before any collective (and
             torch.optim's own checks of the optimizer's arguments).
     """
+
+    #: ``GradScaler.step(opt)`` hands ``step()`` its ``grad_scale`` and ``found_inf``
+    #: instead of unscaling ``.grad`` itself and skipping ``step()`` after an inf: ``step()``
+    #: then steps as torch.optim steps under a scaler (and a skipped step still ends the step).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -119,8 +144,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         sync: Optional[RoundRobin] = None,
         overlap: bool = True,
         shard: Optional[str] = None,
+        module: Optional[torch.nn.Module] = None,
+        broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
+        Joinable.__init__(self)  # no Join yet: ``join_hook`` is called by Join
         eager = optimizer_class not in functional_optim_map or not _torch.jit_enabled()
         check_optimizer_class(optimizer_class, eager)
         if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.SparseAdam):
@@ -133,6 +161,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         _check_shard(shard, optimizer_class, eager, sync)
         group, rank, world_size = _group_info(process_group)
         groups = _param_groups(params)
+        outside = _buffers.check_module(
+            module, [p for g in groups for p in g["params"]], broadcast_buffers
+        )
         check_arguments(optimizer_class, args, kwargs, groups)
         options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         # torch.optim's own checks and defaults, and (eager) the optimizer that steps.
@@ -145,6 +176,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self.sync = sync
         self.overlap = overlap
         self.shard = shard
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
         self.backward_passes_per_step = backward_passes_per_step
         self.is_functional_optim = not eager
         self.defaults = inner.defaults
@@ -179,8 +212,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 compression.check_bucket(bucket)
             if codec.error_feedback:
                 bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
-        self._check_same_everywhere(all_params, group_of, bucket_cap_mb)
-        self._broadcast_parameters(all_params)
+        self._check_same_everywhere(all_params, group_of, bucket_cap_mb, outside)
+        # As DDP at construction: the module's other parameters and its buffers too.
+        self._broadcast_parameters(all_params + outside + (
+            list(module.buffers()) if module is not None and broadcast_buffers else []
+        ))
         if shard is not None:
             adafactor = getattr(torch.optim, "Adafactor", None)
             name = "Adafactor" if adafactor and issubclass(optimizer_class, adafactor) else ""
@@ -252,11 +288,39 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 self._buckets, self._codec, self._comm_group, rank, world_size,
                 backward_passes_per_step,
                 _weak_call(self._before_reduction), _weak_call(self._on_reduced),
-                _gather_on(self._comm_group) if gathers else None,
+                _weak_call(self._gather_stepped) if gathers else None,
                 _store if gathers else None,
             )
         _claim(all_params, self)
+        self._abandoned: Optional[weakref.finalize] = None
+        if self._reducer is not None:
+            close_at_exit(self)
+            # Dropped without close(): stop the threads, retire the private group (its last
+            # reference must go where it can join its workers: distopt.parallel.teardown).
+            private = self._comm_group if self._comm_group is not group else None
+            self._abandoned = weakref.finalize(self, _abandon, self._reducer, private)
+            self._abandoned.atexit = False  # the exit closes what is left, waiting
+        #: Where this optimizer's collectives outside backward go (buffers, Join's rounds):
+        #: the communication thread's group, idle between steps (``distopt.parallel.join``).
+        self._forward_group = self._comm_group if self._comm_group is not None else group
+        #: Whether the next forward broadcasts the buffers (DDP's require_forward_param_sync).
+        self._sync_next_forward = True
+        #: Join's ``divide_by_initial_world_size`` (set by ``join_hook``), the source of
+        #: its last round, and whether this step must send what it reads to joined ranks.
+        self._join_divide = True
+        self._join_source = 0
+        self._join_packet = False
+        self._forward_hook: Any = None
+        if module is not None:
+            self._forward_hook = module.register_forward_pre_hook(
+                _forward_pre_hook(_weak_call(self._before_forward))
+            )
+            weakref.finalize(self, self._forward_hook.remove)
         self._warned_late_change = False
+        #: Whether the last step() came without a GradScaler (see ``_next_plan``).
+        self._last_step_unscaled = False
+        #: Whether this window's buckets step as they arrive (decided as it begins).
+        self._in_backward = False
         logger.info(
             "rank %d of %d: %d parameters in %d buckets, %s, compression=%r, sync=%r",
             rank, world_size, len(trained), len(self._buckets),
@@ -274,6 +338,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         a tensor (zeros after ``zero_grad(set_to_none=False)``), and it is stepped with it,
         as torch.optim steps it.
 
+        Called by ``GradScaler.step(opt)`` (``_step_supports_amp_scaling``), it steps as
+        torch.optim steps under the scaler: the scaler's ``grad_scale`` and ``found_inf`` go
+        to the fused kernels, which unscale and skip the update after an inf or NaN; other
+        classes' gradients are unscaled in place and their step skipped then. The buckets
+        of a step that a GradScaler takes wait for it (see ``_next_plan``).
+
         Args:
             closure: as torch.optim's: reevaluates the model and returns the loss.
 
@@ -282,12 +352,26 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 naming this rank and the bucket; every later step raises it again. Or, with
                 ``overlap=True`` and a compiled class, a ``.grad`` was replaced, set to None
                 or changed in place after backward had stepped its bucket (with
-                ``overlap=False`` the step takes what ``.grad`` holds, as torch.optim).
+                ``overlap=False`` the step takes what ``.grad`` holds, as torch.optim). Or,
+                under a GradScaler: the scaler checked the gradients before they were
+                averaged, or this step's buckets were stepped during backward (the step
+                before it came without a scaler).
             ValueError: ``param_groups`` were edited in a way the buckets cannot follow
                 (``distopt.param_groups.check_groups``: a group's ``params`` replaced or
                 changed in place, a group added or removed, a key deleted), before
                 anything is stepped (the reducing backward refused it already).
         """
+        scaling = _amp_scaling(self)
+        try:
+            return self._step(closure, scaling)
+        except BaseException:
+            if scaling is not None:
+                # GradScaler.step deletes them after a step that returns; after one that
+                # raised, a later step() without the scaler must not find them.
+                _drop_amp_scaling(self)
+            raise
+
+    def _step(self, closure: Optional[Any], scaling: Optional[Any]) -> Optional[Any]:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -304,14 +388,45 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         # Before anything is completed or stepped: restored, the next step() finishes this one.
         check_groups(self.param_groups, self._built)
         if self.sync is not None:
-            self._local_step_and_average()
+            self._local_step_and_average(scaling)
+            self._last_step_unscaled = scaling is None
             return loss
         if self._reducer is None:
             return loss
+        if scaling is not None and not self._reducer.reducing:
+            # The scaler looked for inf/NaN in this rank's own gradients: its verdict, and
+            # so its next scale, may differ between ranks. Nothing is changed.
+            raise RuntimeError(
+                "Invalid step: a GradScaler checked this step's gradients for inf/NaN before "
+                "they were averaged (fewer than backward_passes_per_step backward passes, or "
+                "passes only inside no_sync(), since the last step), so its verdict and its "
+                "next scale may differ between ranks; nothing was stepped (expected the "
+                "reducing backward pass before scaler.step(opt): the "
+                "backward_passes_per_step-th, or the last one outside no_sync())"
+            )
         self._reducer.complete()
         try:
-            stepped = self.overlap and self._eager is None
+            stepped = self._in_backward
             poisoned = self._reducer.poisoned
+            if stepped and scaling is not None:
+                self._last_step_unscaled = False  # the next step waits for the scaler
+                raise RuntimeError(
+                    "Invalid step: a GradScaler steps this DataParallelOptimizer, but the step "
+                    "before this one came without it, so this step's buckets were stepped "
+                    "during backward with the scaled gradients (overlap=True steps buckets "
+                    "during backward once a step() without a GradScaler has shown the "
+                    "gradients unscaled); from the next step on the step waits for the "
+                    "scaler (expected the GradScaler from the first step on, or "
+                    "overlap=False)"
+                )
+            if scaling is not None and self._reducer.broken:
+                raise RuntimeError(
+                    "Invalid step: a backward pass raised after this step's reduction had "
+                    "begun, and a GradScaler checked the gradients for inf/NaN before the "
+                    "rest of them were averaged, so its verdict may differ between ranks; "
+                    "the step is dropped (expected zero_grad() and this step's backward "
+                    "again)"
+                )
             if poisoned is not None and not stepped:
                 raise RuntimeError(
                     f"Invalid step: a backward pass refused since the last step had already "
@@ -329,13 +444,34 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     "backward with the previous values, and the new ones apply from the next "
                     "step (change hyper-parameters before backward, e.g. scheduler.step() "
                     "after opt.step(), or build with overlap=False)",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             if not stepped:
-                self._step_all()
+                if self._join_packet:  # some rank has joined: what this step reads
+                    _join.send_step(self, scaling)
+                self._step_all(scaling)
+            self._last_step_unscaled = scaling is None
         finally:
             self._reducer.reset()
         return loss
+
+    def _next_plan(self) -> bool:
+        """Whether the next window's buckets step as they arrive, during backward.
+
+        A GradScaler's ``scale(loss)`` cannot be seen from here, and a bucket stepped before
+        the scaler's inf/NaN check would apply scaled gradients. So they do only with
+        ``overlap=True``, a compiled class, and after a ``step()`` that came without a
+        GradScaler (``GradScaler.step`` hands this optimizer ``grad_scale`` and
+        ``found_inf``): the first step, and every step a scaler takes, wait for ``step()``,
+        while the reductions still overlap backward.
+        """
+        return self.overlap and self._eager is None and self._last_step_unscaled
+
+    def _steps_in_backward(self) -> bool:
+        """Whether this window's buckets step (or will step) during backward."""
+        if self._reducer is not None and self._reducer.reducing:
+            return self._in_backward
+        return self._next_plan()
 
     def _check_grads_kept(self) -> None:
         """With overlap=True the buckets were stepped during backward: a ``.grad`` changed
@@ -367,6 +503,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._check_untrained()  # before any bucket is sent or stepped
         check_groups(self.param_groups, self._built)
         self._apply_changes()
+        self._in_backward = self._next_plan()  # before the window's first bucket is sent
+        # Under Join: the round that tells joined ranks to shadow this reduction.
+        divisor, self._join_packet = None, False
+        if self._join_config.enable:
+            divisor, self._join_packet = _join.reduction_round(self, self._in_backward)
+        for bucket in self._buckets:
+            bucket.divisor = divisor
 
     def _apply_changes(self) -> bool:
         """Send hyper-parameters changed in ``param_groups`` to the compiled steps; whether
@@ -385,33 +528,65 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def _on_reduced(self, bucket: Bucket, unused: List[int]) -> None:
         bucket.unused = unused
-        if self.overlap and self._eager is None:
+        if self._in_backward:
             self._step_bucket(bucket)
             bucket.mark_stepped()
 
-    def _step_bucket(self, bucket: Bucket) -> None:
+    def _gather_stepped(self, bucket: Bucket) -> Any:
+        """Start the gather of a bucket stepped during backward (sharded); None in a window
+        that steps in ``step()``, which gathers every bucket after its step."""
+        if not self._in_backward:
+            return None
+        return bucket.shard.gather(self._comm_group)
+
+    def _step_bucket(self, bucket: Bucket, scaling: Optional[Any] = None) -> None:
         unused = set(getattr(bucket, "unused", ()))
         if self.shard is not None:
             bucket.shard.load()
             if not bucket.units:
                 return
-        step = self._local.module.step_group
         for u, slots, grads in bucket.units:
             if unused:
                 grads = [None if s in unused else g for s, g in zip(slots, grads)]
-            step(u, grads)
+            self._step_unit(u, grads, scaling)
 
-    def _step_all(self) -> None:
+    def _step_unit(self, unit: int, grads: List[Optional[Tensor]], scaling: Optional[Any]) -> None:
+        """One compiled step of one (bucket, param group); under a GradScaler (``scaling``:
+        its ``grad_scale`` and ``found_inf``) as torch.optim steps under one."""
+        if scaling is None:
+            self._local.module.step_group(unit, grads)
+        else:
+            self._local.module.step_group_scaled(unit, grads, scaling[0], scaling[1])
+
+    def _step_all(self, scaling: Optional[Any] = None) -> None:
         if self._eager is None:
             for bucket in self._buckets:
                 self._take_user_grads(bucket)
-                self._step_bucket(bucket)
+                self._step_bucket(bucket, scaling)
         elif self.shard is None:
-            self._eager.step()
+            self._eager_step(scaling)
         else:
-            self._eager_step_own()
+            self._eager_step_own(scaling)
         if self.shard is not None:
-            self._gather_all()
+            self._gather_all()  # after a skipped step too: every rank gathers alike
+
+    def _eager_step(self, scaling: Optional[Any] = None) -> None:
+        """The eager optimizer's step; under a GradScaler as the scaler would step it: its
+        own ``grad_scale`` / ``found_inf`` where it takes them (``fused=True``), else its
+        gradients unscaled in place and no step after an inf or NaN."""
+        inner = self._eager
+        if scaling is None:
+            inner.step()
+        elif getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = scaling
+            try:
+                inner.step()
+            finally:
+                _drop_amp_scaling(inner)
+        elif not unscale_gradients(
+            [p.grad for g in inner.param_groups for p in g["params"]], scaling[0], scaling[1]
+        ):
+            inner.step()
 
     def _take_user_grads(self, bucket: Bucket) -> None:
         """Step the ``.grad`` the user left after backward, as torch.optim would: one set
@@ -430,7 +605,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         if skipped:
             bucket.unused = sorted(set(getattr(bucket, "unused", ())) | set(skipped))
 
-    def _eager_step_own(self) -> None:
+    def _eager_step_own(self, scaling: Optional[Any] = None) -> None:
         """Sharded eager step: the other ranks' parameters are hidden from the eager
         optimizer (``.grad`` None: torch.optim skips them and makes no state for them)."""
         hidden = []
@@ -440,7 +615,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         for p, _ in hidden:
             p.grad = None
         try:
-            self._eager.step()
+            self._eager_step(scaling)
         finally:
             for p, grad in hidden:
                 p.grad = grad
@@ -454,16 +629,16 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         for bucket, work in zip(self._buckets, works):
             _store(bucket, work)
 
-    def _local_step_and_average(self) -> None:
-        """``RoundRobin``: step on this rank's gradients, then average one partition."""
+    def _local_step_and_average(self, scaling: Optional[Any] = None) -> None:
+        """``RoundRobin``: step on this rank's gradients (under a GradScaler, each rank's
+        scaler checks its own), then average one partition."""
         if self._eager is not None:
-            self._eager.step()
+            self._eager_step(scaling)
         else:
             self._apply_changes()
-            step = self._local.module.step_group
             for bucket in self._buckets:
                 for u, slots, _ in bucket.units:
-                    step(u, [_dense_grad(bucket, s) for s in slots])
+                    self._step_unit(u, [_dense_grad(bucket, s) for s in slots], scaling)
         members = self._partitions[self._round % self.sync.k]
         self._round += 1
         if not members:
@@ -527,7 +702,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 (``distopt.param_groups.check_groups``).
         """
         check_groups(self.param_groups, self._built)
-        params = [p for b in self._buckets for p in b.params]
+        # In torch.optim's order (the param groups'), not the buckets': the norm is summed in
+        # the order torch.nn.utils.clip_grad_norm_(model.parameters()) sums it, bit for bit.
+        params = [self._bucketed[i] for i in sorted(self._bucketed)]
         if self.sync is not None:
             grads = [p.grad for p in params if p.grad is not None]
             local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
@@ -541,11 +718,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             total = total.to(local.dtype)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
             return total
-        if self.overlap and self._eager is None:
+        if self._steps_in_backward():
             raise RuntimeError(
                 "Invalid clip_grad_norm_: with overlap=True each bucket is stepped as soon as "
                 "its gradients are averaged, during backward, before any clipping (expected "
-                "DataParallelOptimizer(..., overlap=False) to clip)"
+                "DataParallelOptimizer(..., overlap=False) to clip; under a GradScaler, whose "
+                "steps wait for its inf/NaN check, clip after scaler.unscale_(opt))"
             )
         if self._reducer is not None:
             self._reducer.complete()
@@ -809,19 +987,34 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         )
 
     def close(self) -> None:
-        """Remove the gradient hooks and stop the communication threads, after the
-        collectives in flight. Call it before building another DataParallelOptimizer over
-        the same parameters (or use the optimizer as a context manager); an optimizer that
-        is no longer referenced closes itself."""
+        """Remove the gradient hooks (and ``module``'s forward pre-hook) and stop the
+        communication threads, after the collectives in flight. Call it before building
+        another DataParallelOptimizer over the same parameters (or use the optimizer as a
+        context manager); an optimizer that is no longer referenced closes itself, and one
+        still open when the interpreter exits is closed then (``distopt.parallel.teardown``)."""
+        self._close(None)
+
+    def _close(self, timeout_s: Optional[float]) -> bool:
+        """``close()``, waiting up to ``timeout_s`` for each thread; whether they stopped
+        with no collective failed. Only then is the private group destroyed, and every
+        reference to it let go, so that the last one stops its gloo worker threads (after a
+        failure a worker may be stuck in a collective: the group is left as it is)."""
         self._closed = True
         _OPEN.discard(self)
-        if self._reducer is not None:
-            self._reducer.close()
-            comm = self._comm_group
-            if comm is not None and comm is not self.process_group:
-                self._comm_group = None
-                with contextlib.suppress(Exception):  # a peer already gone
-                    _torch.destroy_private_group(comm)
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        if self._reducer is None:
+            return True
+        self._abandoned.detach()
+        stopped = self._reducer.close(timeout_s)
+        comm = self._comm_group
+        if stopped and comm is not None and comm is not self.process_group:
+            self._comm_group = None
+            self._forward_group = self.process_group
+            self._codec.release_group()
+            with contextlib.suppress(Exception):  # a peer already gone
+                _torch.destroy_private_group(comm)
+        return stopped
 
     def __enter__(self) -> "DataParallelOptimizer":
         return self
@@ -829,22 +1022,119 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # ------------------------------------------------------------ buffers and Join
+
+    def _before_forward(self) -> None:
+        """``module``'s forward pre-hook: broadcast its buffers from the group's first rank
+        (under Join, the highest rank not joined) when the last forward was a synchronising
+        one, as DDP does (``distopt.parallel.buffers``)."""
+        sync = self._sync_next_forward
+        self._sync_next_forward = torch.is_grad_enabled() and (
+            self._reducer is None or self._reducer.next_pass_reduces()
+        )
+        if not (sync and self.broadcast_buffers and self.world_size > 1):
+            return
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        if self._reducer is not None and self._reducer.broken:
+            # Its gathers may still be in flight on the group the broadcast would use.
+            raise RuntimeError(
+                "Invalid forward: the previous backward pass raised after the reduction of "
+                "this step's gradients had begun on this rank, so the module's buffers "
+                "cannot be broadcast yet (expected step() first: it reduces and applies "
+                "the gradients that pass reached, on every rank alike)"
+            )
+        source = _join.buffers_round(self) if self._join_config.enable else 0
+        _buffers.broadcast(buffers, source, self._forward_group)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What this optimizer does on a rank that has run out of batches, under
+        ``torch.distributed.algorithms.Join([opt])`` (``distopt.parallel.join``): it
+        shadows the others' buffer broadcasts and reductions, contributing zero gradients,
+        and steps as they do.
+
+        Args:
+            divide_by_initial_world_size: True (default): gradients are divided by the world
+                size; False: by the number of ranks not yet joined (as DDP's).
+
+        Raises:
+            ValueError: the optimizer is closed, or uses ``RoundRobin``, or PowerSGD with
+                ``divide_by_initial_world_size=False``.
+        """
+        return _join.join_hook(self, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where Join's own collectives put their tensors."""
+        return collective_device(self._forward_group)
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group of Join's own collectives: this optimizer's, so that they are
+        ordered with its reductions."""
+        return self._forward_group
+
+    def _shadow_reduction(self, divisor: Optional[int], in_backward: bool) -> None:
+        """A joined rank's share of the active ranks' reduction (``distopt.parallel.join``),
+        with zero gradients from here: stepping during backward as they do
+        (``in_backward``), or leaving the window for ``_shadow_step``."""
+        if self._reducer is None:
+            return
+        if self._closed:
+            raise RuntimeError(
+                "Invalid Join: this DataParallelOptimizer was closed while the other ranks "
+                "still train (expected close() after the Join block)"
+            )
+        if self._untrained:
+            self._check_untrained()
+        check_groups(self.param_groups, self._built)
+        self._apply_changes()  # the active ranks' hyper-parameters (join._round)
+        self._in_backward = in_backward
+        self._join_packet = False
+        for bucket in self._buckets:
+            bucket.divisor = divisor
+        try:
+            self._reducer.shadow()
+        finally:
+            if in_backward:
+                self._reducer.reset()
+
+    def _shadow_step(self, scaling: Optional[Any]) -> None:
+        """A joined rank's share of the active ranks' ``step()`` after a shadowed reduction:
+        the step, on what they sent (``distopt.parallel.join``), with the GradScaler's
+        ``scaling`` or None."""
+        try:
+            self._apply_changes()
+            self._step_all(scaling)
+            self._last_step_unscaled = scaling is None
+        finally:
+            self._reducer.reset()
+
     # ------------------------------------------------------------ construction
 
     def _check_same_everywhere(
-        self, params: List[Tensor], group_of: List[int], bucket_cap_mb: float
+        self, params: List[Tensor], group_of: List[int], bucket_cap_mb: float,
+        outside: List[Tensor],
     ) -> None:
         """Every rank must build the same buckets (one all_gather of a signature), or the
-        collectives would pair unlike buckets: DDP refuses mismatched models too."""
+        collectives would pair unlike buckets: DDP refuses mismatched models too. With
+        ``module=``, its other parameters and its buffers must match as well (they are
+        broadcast)."""
         if self.world_size == 1:
             return
+        module = None
+        if self.module is not None:
+            module = ([(tuple(t.shape), str(t.dtype)) for t in outside],
+                      [(tuple(b.shape), str(b.dtype)) for b in self.module.buffers()],
+                      self.broadcast_buffers)
         layout = repr((
             [(tuple(p.shape), str(p.dtype), p.requires_grad, str(p.device.type), j)
              for p, j in zip(params, group_of)],
             [sorted((k, repr(v)) for k, v in g.items() if k != "params")
              for g in self.param_groups],
             float(bucket_cap_mb), repr(self.compression), repr(self.sync), self.shard,
-            self.backward_passes_per_step, self.optimizer_class.__name__,
+            self.backward_passes_per_step, self.optimizer_class.__name__, module,
         ))
         mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64,
                             device=collective_device(self.process_group))
@@ -859,27 +1149,16 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     f"DataParallelOptimizer from {theirs[0]} parameters, rank 0 from "
                     f"{first[0]}, and their shapes, dtypes, requires_grad, param groups, "
                     f"hyper-parameters (lr, momentum, ...) or options (bucket_cap_mb, "
-                    f"compression, sync, shard, backward_passes_per_step, optimizer class) differ "
-                    f"(expected the same model and arguments on every rank)"
+                    f"compression, sync, shard, backward_passes_per_step, optimizer class, "
+                    f"module's buffers) differ (expected the same model and arguments on "
+                    f"every rank)"
                 )
 
-    def _broadcast_parameters(self, params: List[Tensor]) -> None:
-        """Every rank starts from the group's first rank's parameters, as under DDP."""
-        if self.world_size == 1 or not params:
-            return
-        source = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
-        average = [p.data for p in params]
-        by_kind: Dict[Any, List[Tensor]] = {}
-        for t in average:
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad():
-            for members in by_kind.values():
-                flat = torch.cat([t.reshape(-1) for t in members])
-                dist.broadcast(flat, source, group=self.process_group)
-                offset = 0
-                for t in members:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+    def _broadcast_parameters(self, tensors: List[Tensor]) -> None:
+        """Every rank starts from the group's first rank's parameters (and, with
+        ``module=``, buffers), as under DDP."""
+        if self.world_size > 1:
+            _buffers.broadcast(tensors, 0, self.process_group)
 
 
 # id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
@@ -937,6 +1216,39 @@ def _claim(params: List[Tensor], opt: "DataParallelOptimizer") -> None:
         del _CLAIMS[key]
 
 
+def _amp_scaling(opt: Any) -> Optional[Any]:
+    """``(grad_scale, found_inf)`` that ``GradScaler.step`` set on ``opt`` for this step
+    (``grad_scale`` None once ``scaler.unscale_(opt)`` ran), or None without a scaler."""
+    if not hasattr(opt, "found_inf"):
+        return None
+    found_inf = opt.found_inf
+    if not isinstance(found_inf, Tensor):  # 0: the scaler found no gradient to check
+        found_inf = torch.tensor(float(found_inf))
+    return getattr(opt, "grad_scale", None), found_inf
+
+
+def _drop_amp_scaling(opt: Any) -> None:
+    for name in ("grad_scale", "found_inf"):
+        if name in vars(opt):
+            delattr(opt, name)
+
+
+def _forward_pre_hook(call: Callable[[], None]) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        call()
+
+    return hook
+
+
+def _abandon(reducer: GradientReducer, private_group: Any) -> None:
+    """An optimizer was freed without ``close()``: stop its threads without waiting (the
+    exit joins them) and retire its private group, if nothing failed on it."""
+    reducer.close(0.0)
+    if private_group is not None and reducer._error is None:
+        with contextlib.suppress(Exception):  # a peer already gone
+            _torch.destroy_private_group(private_group)
+
+
 def _weak_call(method: Any) -> Callable[..., Any]:
     """``method`` without a strong reference to its object (a no-op once it is gone)."""
     ref = weakref.WeakMethod(method)
@@ -987,6 +1299,8 @@ def _gather_on(group: Any) -> Callable[[Bucket], Any]:
 
 
 def _store(bucket: Bucket, work: Any) -> None:
+    if work is None:  # a window that steps in step(), which gathers then
+        return
     work.wait()
     bucket.shard.store()
 

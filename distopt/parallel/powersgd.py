@@ -147,6 +147,10 @@ class PowerSGD(Compression):
         bound._views = {}
         return bound
 
+    def release_group(self) -> None:
+        if self._state is not None:
+            self._state.process_group = None
+
     def check_bucket(self, bucket: Bucket) -> None:
         """Refuse what torch's hook cannot take: non-floating-point gradients, and CPU ones
         where CUDA is available (its last stage calls ``torch.cuda.synchronize`` on the

@@ -42,6 +42,7 @@ from torch import Tensor
 from distopt._torch import backward_depth, queue_end_of_backward
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
+from distopt.parallel.teardown import join_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +284,7 @@ class GradientReducer:
                 name=f"distopt-dp-{name}-rank{self.rank}", daemon=True,
             )
             thread.start()
+            join_at_exit(thread)
             self._threads.append(thread)
 
     # ------------------------------------------------------------ step()
@@ -291,6 +293,37 @@ class GradientReducer:
     def broken(self) -> bool:
         """A backward pass of this window raised after its reduction had begun."""
         return self._broken
+
+    def next_pass_reduces(self) -> bool:
+        """Whether a backward pass that starts now would reduce (not in ``no_sync``, and
+        the last of ``passes_per_step``): DDP's ``require_backward_grad_sync``."""
+        return not self.no_sync and self._passes + 1 >= self.passes_per_step
+
+    def shadow(self) -> None:
+        """Reduce every bucket with zero gradients and no parameter used by this rank, and
+        wait: a rank that has joined (``torch.distributed.algorithms.Join``) issues the
+        collectives of the window the other ranks reduce, in the same order. Afterwards
+        ``.grad`` holds the average of the parameters some rank used, and is None for the
+        others (not stepped).
+
+        Raises:
+            RuntimeError: this rank's own window is being reduced (a reducing backward pass
+                without its ``step()``), or a collective failed.
+        """
+        self._raise_error()
+        if self.reducing:
+            raise RuntimeError(
+                "Invalid Join: this rank's last reducing backward pass was not followed by "
+                "step(), so its gradients are still being reduced (expected step() after "
+                "every backward_passes_per_step backward passes, before the loop ends)"
+            )
+        self.reducing = True
+        for bucket in self.buckets:
+            bucket.buffer.zero_()  # its gradients and "used" flags
+            for slot, p in enumerate(bucket.params):
+                p.grad = bucket.grads[slot]
+            self._launch(bucket)
+        self._wait()
 
     def complete(self) -> None:
         """Reduce what this window accumulated (if backward has not started it) and wait
@@ -333,9 +366,17 @@ class GradientReducer:
     def _raise_error(self) -> None:
         if self._error is not None:
             what, exc = self._error
+            hint = ""
+            if not what.startswith("the step of"):  # a collective: another rank is involved
+                hint = (
+                    "; another rank may have died or raised, or the ranks may have run "
+                    "different numbers of backward passes (uneven inputs): wrap the loop in "
+                    "torch.distributed.algorithms.Join([opt]) so that ranks that run out of "
+                    "batches shadow the others' reductions"
+                )
             raise RuntimeError(
                 f"DataParallelOptimizer on rank {self.rank} of {self.world_size}: {what} "
-                f"failed: {type(exc).__name__}: {exc}"
+                f"failed: {type(exc).__name__}: {exc}{hint}"
             ) from exc
 
     def fail(self, what: str, exc: BaseException) -> None:
@@ -361,16 +402,27 @@ class GradientReducer:
                 self._cond.wait()
             return self._error is None
 
-    def close(self) -> None:
-        """Remove the hooks and stop the threads (after the collectives in flight)."""
+    def close(self, timeout_s: Optional[float] = None) -> bool:
+        """Remove the hooks and stop the threads (after the collectives in flight, waiting
+        up to ``timeout_s`` for each; None: as long as they take).
+
+        Returns:
+            Whether the threads have stopped and no collective failed: then nothing is in
+            flight on ``group``, and the reducer lets go of it (``distopt.parallel.teardown``
+            needs its last reference dropped to stop its worker threads).
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
         _stop(self._ready, self._issued, [])
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join()
-        self._threads = []
+                thread.join(timeout_s)
+        self._threads = [thread for thread in self._threads if thread.is_alive()]
+        idle = not self._threads and self._error is None
+        if idle:
+            self.group = self.gather = self.store = None
+        return idle
 
 
 #: The largest gradient (elements) copied each step to undo a refused pass (see _refused).
@@ -433,6 +485,7 @@ def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[
                 del reducer, bucket
                 return
             reducer._issued.put((False, bucket, pending))
+            del pending  # nothing of a step's collectives stays on this thread once it ends
             if reducer.gather is not None:
                 # Each bucket's gather right after the next bucket's reduction (the last one
                 # after its own): the same order on every rank, whatever the timing.
@@ -487,8 +540,11 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
             reducer.fail(what, exc)
             del reducer, bucket, pending, item
             return
+        # Released before step() can return, which may be the script's last line: a work
+        # released later, during interpreter teardown, takes the GIL and aborts (teardown).
+        del bucket, pending, item
         reducer.bucket_done(True)
-        del reducer, bucket, pending, item
+        del reducer
 
 
 def _stop(ready: Any, issued: Any, handles: List[Any]) -> None:

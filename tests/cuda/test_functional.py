@@ -25,6 +25,7 @@ from functional._scripted import ScriptedOptimizer
 from tests.cuda.conftest import CUDA, DEVICE, gpu_only
 from tests.functional.case import Case
 from tests.functional.cases import ALL_CASES
+from tests.functional.test_grad_scaling import CASES as SCALED_CASES, check_against_torch
 
 pytestmark = CUDA
 
@@ -310,3 +311,20 @@ def test_a_compiled_step_does_not_synchronise_with_the_host(torch_cls, kwargs) -
         opt.step(list(grads))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_-then-step"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name, torch_cls, kwargs, overflows", SCALED_CASES,
+                         ids=[c[0] for c in SCALED_CASES])
+def test_grad_scaler_steps_equal_torch_optim_on_the_device(name, torch_cls, kwargs, overflows,
+                                                           compiled, unscale_first) -> None:
+    """tests/functional/test_grad_scaling.py's table on the device, each side stepped by a
+    ``GradScaler`` of the device's: the same scales and skipped steps, the same parameters
+    and state (at this module's tolerances: the CPU run is bit for bit)."""
+    try:
+        torch_cls([torch.zeros(2, device=DEVICE, requires_grad=True)], **kwargs)
+    except RuntimeError as exc:  # a fused kernel this torch lacks on the device
+        pytest.skip(f"torch.optim refuses {name} on {DEVICE}: {exc}")
+    check_against_torch(torch_cls, kwargs, overflows, compiled, unscale_first, DEVICE,
+                        exact=DEVICE.type == "cpu")

@@ -330,10 +330,18 @@ def zero_grads_of_unused(rank: int, world_size: int) -> Dict[str, Any]:
 
 def ddp_semantics(rank: int, world_size: int) -> Dict[str, Any]:
     """What DDP + torch.optim does, in one world: parameters some or no rank used, the zero
-    gradients of unused layers, complex parameters."""
+    gradients of unused layers, complex parameters, the GradScaler recipe, buffers, uneven
+    inputs under Join (and, last, as it breaks a group of its own, uneven inputs without)."""
+    from tests.parallel import ddp_buffers_join
+    from tests.parallel.scaler_scenarios import grad_scaler
+
     return {"unused": unused_parameters(rank, world_size),
             "zero_grads": zero_grads_of_unused(rank, world_size),
-            "complex": complex_parameters(rank, world_size)}
+            "complex": complex_parameters(rank, world_size),
+            "grad_scaler": grad_scaler(rank, world_size),
+            "buffers": ddp_buffers_join.buffers_like_ddp(rank, world_size),
+            "join": ddp_buffers_join.join_like_ddp(rank, world_size),
+            "uneven": ddp_buffers_join.uneven_without_join(rank, world_size)}
 
 
 # ---------------------------------------------------------------- complex parameters
@@ -545,6 +553,14 @@ def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
                                                                      params[0]]),
         "duplicate_across_groups": lambda: DataParallelOptimizer(
             torch.optim.SGD, [{"params": [params[0]]}, {"params": [params[1], params[0]]}]),
+        "module_not_module": lambda: DataParallelOptimizer(torch.optim.SGD, params,
+                                                           module=params[0]),
+        "module_other_model": lambda: DataParallelOptimizer(torch.optim.SGD, params,
+                                                            module=make_model()),
+        "module_trained_outside": lambda: DataParallelOptimizer(torch.optim.SGD, params[:2],
+                                                                module=model),
+        "broadcast_buffers_str": lambda: DataParallelOptimizer(
+            torch.optim.SGD, params, module=model, broadcast_buffers="yes"),
     }
     out = {}
     for name, make in cases.items():
@@ -690,11 +706,18 @@ def clipping(rank: int, world_size: int) -> Dict[str, Any]:
             ropt.zero_grad()
         out["reference"] = flat_params(ref)
         out["reference_norms"] = rnorms
-    overlapped = DataParallelOptimizer(torch.optim.SGD, make_model().parameters(), lr=0.1)
-    try:
-        overlapped.clip_grad_norm_(1.0)
-    except RuntimeError as exc:
-        out["overlap_error"] = str(exc)
+    model = make_model()
+    overlapped = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    for step in range(2):  # the first step waits for step() (a GradScaler may take it)
+        loss_of(model, xs, ys).backward()
+        if step == 1:
+            try:
+                overlapped.clip_grad_norm_(1.0)
+            except RuntimeError as exc:
+                out["overlap_error"] = str(exc)
+        overlapped.step()
+        overlapped.zero_grad()
+    overlapped.close()
     # RoundRobin: the norm of every rank's gradients together, the same on each rank.
     model = make_model()
     rr = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, sync=RoundRobin(2))
@@ -1042,6 +1065,10 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         model = make_model()
         opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), overlap=overlap,
                                     bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+        if overlap:  # the first step waits for step() (a GradScaler may take it)
+            loss_of(model, xs, ys).backward()
+            opt.step()
+            opt.zero_grad()
         errors = []
         for step in range(3):
             loss_of(model, xs, ys).backward()
@@ -1056,6 +1083,9 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
     model = make_model()
     opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(),
                                 bucket_cap_mb=SMALL_BUCKETS_MB, **sgd)
+    loss_of(model, xs, ys).backward()  # the first step waits for step(): buckets step in
+    opt.step()  # backward from the second on, as this case wants
+    opt.zero_grad()
     try:
         h = _RaiseOnRank.apply(model[0](xs), True)
         ((model[4](model[3](model[2](model[1](h)))) - ys) ** 2).mean().backward()

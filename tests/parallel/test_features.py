@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from tests.parallel import scenarios
+from tests.parallel import ddp_buffers_join, scaler_scenarios, scenarios
 from tests.parallel.ranks import ComplexModel, flat_params
 from tests.parallel.world import run_world
-from tests.same import assert_identical
+from tests.same import assert_identical, identical
 
 
 def _close(a, b, tol=1e-5):
@@ -191,6 +191,153 @@ def test_compression_refuses_complex_parameters_by_name(ddp_semantics, name):
         assert "None or Cast" in message
 
 
+# ---------------------------------------------------------------- GradScaler
+
+
+@pytest.mark.parametrize("run", sorted(scaler_scenarios.RUNS))
+@pytest.mark.parametrize("case", sorted(scaler_scenarios.CASES))
+def test_grad_scaler_steps_as_under_ddp(ddp_semantics, case, run):
+    """The AMP recipe from the first step (float16 autocast; scaler.scale(loss).backward(),
+    [scaler.unscale_(opt) and a clip,] scaler.step(opt), scaler.update()): the parameters,
+    the optimizer's state and the scale after every step are DDP + torch.optim +
+    GradScaler's, bit for bit, on every rank, through the skipped (overflowing) steps."""
+    reference = scaler_scenarios.RUNS[run][2]
+    overflows = scaler_scenarios.CASES[case][2]
+    for r in ddp_semantics:
+        got = r["grad_scaler"][f"{case}/{run}"]
+        ddp = r["grad_scaler"][f"{case}/{reference}"]
+        assert "error" not in got, got["error"]
+        assert got["buckets"] > 1
+        assert got["scales"] == ddp["scales"]
+        assert torch.equal(got["params"], ddp["params"])
+        assert_identical(got["state"], ddp["state"], f"{case}/{run}")
+        # the steps skipped are those whose gradients overflowed (the scale halved there)
+        previous = [scaler_scenarios.INIT_SCALE] + ddp["scales"][:-1]
+        assert [s for s, (a, b) in enumerate(zip(previous, ddp["scales"])) if b < a] == list(overflows)
+        assert torch.isfinite(got["params"]).all()
+    first, second = (r["grad_scaler"][f"{case}/{run}"] for r in ddp_semantics)
+    assert torch.equal(first["params"], second["params"])
+
+
+def test_grad_scaler_refusals(ddp_semantics):
+    """What a GradScaler cannot be given is refused, and training goes on: a step whose
+    buckets backward stepped (the step before came without the scaler); a step before the
+    gradients were averaged (nothing moves); an OptimizerInBackward."""
+    for r in ddp_semantics:
+        out = r["grad_scaler"]["refusals"]
+        assert "error" not in out, out["error"]
+        assert "step before this one came without it" in out["late"], out["late"]
+        assert "overlap=False" in out["late"] and out["late_then_finite"]
+        assert "before they were averaged" in out["short"], out["short"]
+        assert out["short_unchanged"] and out["short_then_stepped"]
+        assert out["in_backward"].startswith("Invalid step: a GradScaler steps this "
+                                             "OptimizerInBackward"), out["in_backward"]
+        # GradScaler deletes them only after a step that returns: the optimizer does
+        assert out["late_attributes"] == [] and out["in_backward_attributes"] == []
+
+
+# ---------------------------------------------------------------- buffers (module=)
+
+
+@pytest.mark.parametrize("run", sorted(ddp_buffers_join.BUFFER_RUNS))
+def test_buffers_are_broadcast_as_ddp_broadcasts_them(ddp_semantics, run):
+    """DataParallelOptimizer(module=model): BatchNorm's running statistics (and step count)
+    after every step, and the parameters at the end, are DDP's on every rank, bit for bit:
+    broadcast from the first rank before a forward that follows a synchronising one (not
+    after one inside no_sync or under no_grad), not at all with broadcast_buffers=False; the
+    frozen layer outside the optimizer broadcast at construction; close() removes the hook."""
+    reference = ddp_buffers_join.BUFFER_RUNS[run][2]
+    for r in ddp_semantics:
+        got, ddp = r["buffers"][run], r["buffers"][reference]
+        assert_identical(got["buffers"], ddp["buffers"], run)
+        assert torch.equal(got["params"], ddp["params"])
+        assert got["hooks_after_close"] == 0
+    # the ranks' statistics differ after a step (each forward updates its own), as DDP's
+    first, second = (r["buffers"][run]["buffers"][-1] for r in ddp_semantics)
+    assert not torch.equal(first[0], second[0])
+
+
+def test_buffers_without_module_drift_from_ddp(ddp_semantics):
+    """What was reported: without module= rank 1's running statistics are its own."""
+    got, ddp = (ddp_semantics[1]["buffers"][k]["buffers"] for k in ("without-module", "ddp"))
+    assert not torch.equal(got[-1][1], ddp[-1][1])
+
+
+def test_buffer_broadcast_is_unseen_by_autograd(ddp_semantics):
+    """Two forwards in eval mode, then one backward: the second forward's broadcast writes
+    the running statistics the first saved for backward, without a version-counter error."""
+    for r in ddp_semantics:
+        assert r["buffers"]["eval_twice"] == "ok", r["buffers"]["eval_twice"]
+
+
+# ---------------------------------------------------------------- uneven inputs (Join)
+
+
+@pytest.mark.parametrize("run", sorted(ddp_buffers_join.JOIN_RUNS))
+def test_join_ends_as_ddp_under_join(ddp_semantics, run):
+    """Ranks with 6 and 4 batches under Join([opt]): every rank ends with the parameters
+    (and buffers) of DDP + torch.optim under Join([ddp]) and the optimizer state of its
+    last joiner, bit for bit; DDP leaves the joined rank's state where it joined."""
+    reference = ddp_buffers_join.JOIN_RUNS[run][2]
+    ddp = ddp_semantics[0]["join"][reference]
+    for r in ddp_semantics:
+        got = r["join"][run]
+        assert torch.equal(got["params"], ddp["params"]), run
+        assert torch.equal(r["join"][reference]["params"], ddp["params"])  # DDP's final sync
+        assert_identical(got["state"], ddp["state"], run)
+        assert_identical(got["buffers"], ddp["buffers"], run)
+        assert got["seconds"] < 10.0  # not a process-group timeout
+    assert ddp["state"]  # it trained
+    joined_ddp = ddp_semantics[1]["join"][reference]["state"]
+    assert not identical(joined_ddp, ddp["state"])  # DDP's joined rank stopped stepping
+
+
+def test_join_shadows_a_forward_between_backward_and_step(ddp_semantics):
+    """module=, overlap=False: a no_grad forward between backward and step() on the active
+    rank (a buffer broadcast of its own) is shadowed too: the ranks end alike, and train on
+    alike after the Join block."""
+    first, second = (r["join"]["forward-before-step"] for r in ddp_semantics)
+    assert torch.equal(first["params"], second["params"])
+    assert_identical(first["buffers"], second["buffers"])
+
+
+def test_join_divides_as_asked(ddp_semantics):
+    """divide_by_initial_world_size=False (the active ranks' count) moves the parameters
+    differently from the default (the world size)."""
+    first = ddp_semantics[0]["join"]
+    assert not torch.equal(first["divide"]["params"], first["overlap"]["params"])
+
+
+def test_join_with_topk_keeps_a_joined_ranks_residuals(ddp_semantics):
+    """TopK: a joined rank sends zeros; its residuals stay what they were when it joined."""
+    first, second = (r["join"]["topk"] for r in ddp_semantics)
+    assert torch.equal(first["params"], second["params"])
+    assert any(v.abs().sum() > 0 for v in second["residuals_at_join"].values())
+    assert_identical(second["residuals_after"], second["residuals_at_join"])
+
+
+@pytest.mark.parametrize("what,words", [
+    ("round_robin", "Invalid Join: sync=RoundRobin(2) averages every rank's parameters"),
+    ("powersgd_divide", "Invalid Join: divide_by_initial_world_size=False with "
+                        "compression=PowerSGD("),
+])
+def test_join_refuses_what_it_cannot_shadow(ddp_semantics, what, words):
+    for r in ddp_semantics:
+        assert r["join"]["refused"][what].startswith(words), r["join"]["refused"][what]
+
+
+def test_uneven_inputs_without_join_say_so(ddp_semantics):
+    """Rank 0 runs one more step than rank 1, without Join: its backward fails at the
+    group's timeout, saying the ranks may have run different numbers of backward passes
+    and naming Join."""
+    error = ddp_semantics[0]["uneven"]["error"]
+    assert error.startswith("DataParallelOptimizer on rank 0 of 2: the reduction of bucket"), error
+    assert "different numbers of backward passes (uneven inputs)" in error, error
+    assert "torch.distributed.algorithms.Join([opt])" in error
+    assert ddp_semantics[0]["uneven"]["seconds"] < 2.0 + 10.0
+    assert ddp_semantics[1]["uneven"]["error"] == "no error"
+
+
 # ---------------------------------------------------------------- failures
 
 
@@ -253,6 +400,13 @@ EXPECTED_ERRORS = {
     "duplicate": ("ValueError", "parameters 0 and 2 are the same tensor (expected each "
                                 "parameter once"),
     "duplicate_across_groups": ("ValueError", "parameters 0 and 2 are the same tensor"),
+    "module_not_module": ("TypeError", "Invalid module: a Parameter (expected None or the "
+                                       "torch.nn.Module whose parameters the optimizer trains)"),
+    "module_other_model": ("ValueError", "Invalid module: parameter 0 (shape (12, 6)) is not one "
+                                         "of the Sequential's parameters"),
+    "module_trained_outside": ("ValueError", "Invalid module: its parameter '2.weight' requires "
+                                             "grad but is not one of the optimizer's"),
+    "broadcast_buffers_str": ("TypeError", "Invalid broadcast_buffers: 'yes' (expected a bool)"),
 }
 
 

@@ -1,0 +1,98 @@
+"""A module's buffers (and its parameters outside the optimizer), kept alike as DDP keeps them.
+
+DDP broadcasts its module's parameters and buffers from the group's first rank at
+construction, and the buffers again before each forward that follows a synchronising
+forward (its ``require_forward_param_sync``: a forward with gradients on, outside
+``no_sync``; so the first forward of each step, but not one after a forward under
+``no_sync`` or ``torch.no_grad``), so that every rank's forward starts from the first rank's
+BatchNorm running statistics. ``DataParallelOptimizer(..., module=model)`` does the same
+with a forward pre-hook on the module; ``broadcast_buffers=False`` turns both buffer
+broadcasts off, as DDP's does. Under ``torch.distributed.algorithms.Join`` the source is
+the highest rank not yet joined, as DDP's (``distopt.parallel.join``).
+
+The broadcast writes through ``.data``: autograd does not see it, as DDP hides its own, so
+a buffer that an earlier forward saved for its backward (BatchNorm in eval mode) does not
+make that backward raise.
+"""
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["broadcast", "check_module"]
+
+
+def check_module(module: Optional[torch.nn.Module], params: Sequence[Tensor],
+                 broadcast_buffers: Any) -> List[Tensor]:
+    """Check ``module=`` against the optimizer's parameters.
+
+    Args:
+        module: None, or the model whose parameters ``params`` are.
+        params: the optimizer's parameters, in torch.optim's order.
+        broadcast_buffers: the constructor's flag.
+
+    Returns:
+        The module's parameters that are not the optimizer's (all frozen), which are
+        broadcast at construction with the buffers, as DDP broadcasts every parameter.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``, ``broadcast_buffers`` not a bool.
+        ValueError: one of ``params`` is not the module's, or a parameter of the module that
+            requires grad is not one of ``params`` (its gradient would never be averaged).
+    """
+    if not isinstance(broadcast_buffers, bool):
+        raise TypeError(f"Invalid broadcast_buffers: {broadcast_buffers!r} (expected a bool)")
+    if module is None:
+        return []
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"Invalid module: a {type(module).__name__} (expected None or the torch.nn.Module "
+            f"whose parameters the optimizer trains)"
+        )
+    named = list(module.named_parameters())
+    theirs = {id(p) for _, p in named}
+    for i, p in enumerate(params):
+        if id(p) not in theirs:
+            raise ValueError(
+                f"Invalid module: parameter {i} (shape {tuple(p.shape)}) is not one of the "
+                f"{type(module).__name__}'s parameters (expected module= the model whose "
+                f"parameters the optimizer trains)"
+            )
+    mine = {id(p) for p in params}
+    outside = []
+    for name, p in named:
+        if id(p) in mine:
+            continue
+        if p.requires_grad:
+            raise ValueError(
+                f"Invalid module: its parameter {name!r} requires grad but is not one of the "
+                f"optimizer's, so its gradient would never be averaged (expected it in "
+                f"params, or requires_grad=False)"
+            )
+        outside.append(p)
+    return outside
+
+
+def broadcast(tensors: Sequence[Tensor], source: int, group: Any) -> None:
+    """Copy group rank ``source``'s ``tensors`` into every rank's: one broadcast per
+    (dtype, device), written through ``.data`` (no autograd version change).
+
+    Args:
+        tensors: the same shapes and dtypes, in the same order, on every rank.
+        source: the rank in ``group`` whose values every rank takes.
+        group: the process group (None: the default one).
+    """
+    if not tensors:
+        return
+    src = dist.get_global_rank(group, source) if group is not None else source
+    by_kind: Dict[Any, List[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t.data)
+    for members in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        dist.broadcast(flat, src, group=group)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

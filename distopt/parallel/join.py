@@ -1,0 +1,255 @@
+"""Uneven inputs: a DataParallelOptimizer under ``torch.distributed.algorithms.Join``.
+
+``with Join([opt]):`` around the training loop lets ranks with fewer batches finish first: a
+rank that has left its loop waits in ``Join.__exit__``, which runs this module's
+``main_hook`` once for each iteration the other ranks still run, until every rank has left.
+Each call must issue the collectives that iteration issues on the active ranks, in the same
+order, on the same group (gloo pairs collectives by their order).
+
+An iteration here is one thing the optimizer communicates for: a forward that broadcasts the
+module's buffers (``module=``, ``distopt.parallel.buffers``), a step's reduction, and, once
+some rank has joined and the step waits for ``step()``, that step. Each begins with a round
+on the optimizer's group (``_forward_group``, which the communication thread leaves idle
+between steps): the active ranks notify Join (``Join.notify_join_context``: its all_reduce
+pairs with the one by which Join counts the active ranks on the joined ones), then every
+rank all-gathers (active, plan). So every rank learns what the active ranks are about to do
+(their plans must agree), how many are active, and the source: the highest active rank,
+whose buffers DDP broadcasts under Join.
+
+A joined rank then receives the buffers; or reduces every bucket with zero gradients and no
+parameter used (``GradientReducer.shadow``), stepping during backward if the active ranks
+do; or steps as they do in ``step()``. So its parameters and optimizer state (and its shard,
+whose gathers it takes part in) stay theirs, where DDP + torch.optim leaves a joined rank's
+optimizer state as it was when it joined (its parameters are broadcast at the end). For that
+the source sends what the active ranks' step reads that a joined rank cannot know: its
+hyper-parameters (a joined rank's lr scheduler has stopped), in the reduction's round when
+the buckets step during backward; when the step waits for ``step()``, in that step's
+iteration, with the GradScaler's ``grad_scale`` and ``found_inf`` and every bucket's
+gradients as the step reads them (``.grad`` after clipping or unscaling; None where it is
+skipped): one broadcast of the gradients per such step while some rank has joined.
+
+What a joined rank contributes is a zero gradient, put through the compression as any
+gradient: zeros for no compression and ``Cast``; zero values for ``TopK`` and ``Threshold``,
+whose residuals it keeps (its parameters count as unused); for ``PowerSGD``, torch's hook on
+a zero gradient, which adds this rank's error feedback, as DDP's join hook runs that hook.
+The sum is divided by the world size, or with ``divide_by_initial_world_size=False`` by the
+number of active ranks (``Bucket.divisor``), as DDP divides. Refused when the Join is
+built: ``sync=RoundRobin`` (a joined rank's parameters would be averaged in) and PowerSGD
+with ``divide_by_initial_world_size=False`` (torch's hook divides by the group's size).
+When every rank has joined, ``post_hook`` broadcasts the buffers from the highest of the
+ranks that joined last, as DDP's final sync does; the parameters agree already.
+"""
+from typing import Any, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.join import Join, JoinHook
+
+from distopt._torch import all_gather_flat
+from distopt.parallel import buffers as _buffers
+from distopt.parallel.powersgd import PowerSGD
+
+__all__ = ["Round", "buffers_round", "join_hook", "reduction_round", "send_step"]
+
+#: What the active ranks are about to do, in a round: broadcast the buffers before a forward,
+#: reduce (and step) one step's gradients, and whether the buckets step during backward.
+_BUFFERS = 1
+_REDUCE = 2
+_IN_BACKWARD = 4
+_STEP = 8
+_WHAT = {_BUFFERS: "broadcast the module's buffers",
+         _REDUCE: "reduce gradients, to step in step()",
+         _REDUCE | _IN_BACKWARD: "reduce gradients and step during backward",
+         _STEP: "step()"}
+
+
+class Round(NamedTuple):
+    """What every rank learns at the start of a Join iteration."""
+
+    plan: int  #: what the active ranks do (``_BUFFERS``, ``_REDUCE``, ``_IN_BACKWARD``, ``_STEP``)
+    source: int  #: the highest active rank (in the optimizer's group)
+    active: int  #: how many ranks have not joined
+
+
+def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
+    """``DataParallelOptimizer.join_hook``: check that ``opt`` can train on uneven inputs.
+
+    Raises:
+        TypeError: ``divide_by_initial_world_size`` is not a bool.
+        ValueError: the optimizer is closed, uses ``RoundRobin``, or PowerSGD with
+            ``divide_by_initial_world_size=False``.
+    """
+    divide = kwargs.get("divide_by_initial_world_size", True)
+    if not isinstance(divide, bool):
+        raise TypeError(f"Invalid divide_by_initial_world_size: {divide!r} (expected a bool)")
+    if opt._closed:
+        raise ValueError(
+            "Invalid Join: this DataParallelOptimizer is closed (expected an open one)"
+        )
+    if opt.sync is not None:
+        raise ValueError(
+            f"Invalid Join: sync={opt.sync!r} averages every rank's parameters, and a joined "
+            f"rank's would pull the others' back (expected sync=None to train on uneven "
+            f"inputs)"
+        )
+    if not divide and isinstance(opt._codec, PowerSGD):
+        raise ValueError(
+            f"Invalid Join: divide_by_initial_world_size=False with compression="
+            f"{opt.compression!r}: torch's powerSGD_hook divides by the group's size (expected "
+            f"divide_by_initial_world_size=True, or another compression)"
+        )
+    opt._join_divide = divide
+    return _JoinHook(opt)
+
+
+def buffers_round(opt: Any) -> int:
+    """An active rank's round before it broadcasts the buffers; returns the source."""
+    return _round(opt, _BUFFERS).source
+
+
+def reduction_round(opt: Any, in_backward: bool) -> Tuple[Optional[int], bool]:
+    """An active rank's round before it reduces a step's gradients, whose buckets step
+    during backward or not.
+
+    Returns:
+        The divisor (``Bucket.divisor``), and whether ``step()`` must call ``send_step``
+        (some rank has joined, and the step waits for ``step()``).
+    """
+    step = _round(opt, _REDUCE | (_IN_BACKWARD if in_backward else 0))
+    return _divisor(opt, step), step.active < opt.world_size and not in_backward
+
+
+def send_step(opt: Any, scaling: Optional[Any]) -> None:
+    """In an active rank's ``step()``, right before it steps: a round of its own, then
+    what the step reads, from the source to the joined ranks (``_step_packet``)."""
+    _round(opt, _STEP)
+    _step_packet(opt, scaling, joined=False)
+
+
+class _JoinHook(JoinHook):
+    """What a DataParallelOptimizer does on a rank that has joined."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        """Shadow one iteration of the active ranks."""
+        opt = self.opt
+        step = _round(opt, 0)
+        if step.plan == _BUFFERS:
+            _buffers.broadcast(list(opt.module.buffers()), step.source, opt._forward_group)
+        elif step.plan == _STEP:
+            opt._shadow_step(_step_packet(opt, None, joined=True))
+        else:
+            opt._shadow_reduction(_divisor(opt, step), bool(step.plan & _IN_BACKWARD))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has joined: the buffers of the highest last joiner, as DDP's."""
+        opt = self.opt
+        opt._join_config = opt._join_config._replace(enable=False)  # back to the first rank
+        # Every rank broadcasts at its next forward (a joined rank's last forward is older).
+        opt._sync_next_forward = True
+        if opt.module is None or not opt.broadcast_buffers or opt.world_size == 1:
+            return
+        buffers = list(opt.module.buffers())
+        if not buffers:
+            return
+        source = torch.tensor([opt.rank if is_last_joiner else -1], dtype=torch.int64,
+                              device=opt.join_device)
+        dist.all_reduce(source, op=dist.ReduceOp.MAX, group=opt._forward_group)
+        _buffers.broadcast(buffers, int(source.item()), opt._forward_group)
+
+
+def _round(opt: Any, plan: int) -> Round:
+    """The round that starts an iteration: ``plan`` on an active rank, 0 on a joined one."""
+    group = opt._forward_group
+    device = opt.join_device
+    if plan:
+        Join.notify_join_context(opt)
+    mine = torch.tensor([1 if plan else 0, plan], dtype=torch.int64, device=device)
+    every = torch.empty(2 * opt.world_size, dtype=torch.int64, device=device)
+    all_gather_flat(every, mine, group=group)
+    rows = every.view(opt.world_size, 2).tolist()
+    active = [r for r, (on, _) in enumerate(rows) if on]
+    plans = {p for on, p in rows if on}
+    if len(plans) != 1:
+        doing = "; ".join(
+            f"ranks {[r for r in active if rows[r][1] == p]} {_WHAT.get(p, p)}"
+            for p in sorted(plans)
+        )
+        raise RuntimeError(
+            f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: under Join, the "
+            f"ranks not joined are about to do different things ({doing or 'none is active'})"
+            f" (expected the same training loop on every rank)"
+        )
+    step = Round(plans.pop(), max(active), len(active))
+    opt._join_source = step.source
+    if step.plan == _REDUCE | _IN_BACKWARD and step.active < opt.world_size:
+        _share(opt, None, joined=not plan)
+    return step
+
+
+def _divisor(opt: Any, step: Round) -> Optional[int]:
+    return None if opt._join_divide else step.active
+
+
+def _share(opt: Any, extra: Any, joined: bool) -> Any:
+    """The source's hyper-parameters (``param_groups`` but ``params``) and ``extra`` to
+    every rank (one ``broadcast_object_list``); a joined rank takes the hyper-parameters (a
+    Tensor value in place, as a scheduler keeps it). Returns the source's ``extra``."""
+    group = opt._forward_group
+    values = [([{k: g[k] for k in opt._hyper_keys} for g in opt.param_groups], extra)]
+    dist.broadcast_object_list(values, src=_global(opt, opt._join_source), group=group)
+    hyper, extra = values[0]
+    if joined:
+        for g, theirs in zip(opt.param_groups, hyper):
+            for key, value in theirs.items():
+                mine = g.get(key)
+                if isinstance(mine, Tensor) and isinstance(value, Tensor) and (
+                    mine.shape == value.shape
+                ):
+                    mine.copy_(value)
+                else:
+                    g[key] = value
+    return extra
+
+
+def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any]:
+    """What a step that waits for ``step()`` reads, from the source to every rank: its
+    hyper-parameters, the GradScaler's ``(grad_scale, found_inf)`` (as numbers: a tensor
+    would travel with its device) and each bucket's gradients, its flags saying which
+    ``.grad`` is None (skipped). A joined rank takes them into its buckets and ``.grad``;
+    returns the scaling it steps with there."""
+    numbers = None
+    if scaling is not None:
+        numbers = tuple(None if t is None else (t.tolist(), t.dtype) for t in scaling)
+    numbers = _share(opt, numbers, joined)
+    group = opt._forward_group
+    src = _global(opt, opt._join_source)
+    for bucket in opt._buckets:
+        packet = torch.zeros_like(bucket.buffer)
+        if opt.rank == opt._join_source:
+            for slot, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    start = bucket.offsets[slot]
+                    with torch.no_grad():  # a gradient made with create_graph=True
+                        packet[start:start + p.numel()].view_as(p).copy_(p.grad)
+                    packet[bucket.numel + slot] = 1
+        dist.broadcast(packet, src, group=group)
+        if joined:
+            bucket.buffer.copy_(packet)  # what the step reads; the flags are spent
+            flags = packet[bucket.numel:].tolist()
+            for slot, p in enumerate(bucket.params):
+                p.grad = bucket.grads[slot] if flags[slot] != 0 else None
+            bucket.unused = [slot for slot, flag in enumerate(flags) if flag == 0]
+    if not joined or numbers is None:
+        return None
+    device = opt._buckets[0].buffer.device
+    return tuple(None if n is None else torch.tensor(n[0], dtype=n[1], device=device)
+                 for n in numbers)
+
+
+def _global(opt: Any, rank: int) -> int:
+    group = opt._forward_group
+    return dist.get_global_rank(group, rank) if group is not None else rank
