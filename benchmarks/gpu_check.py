@@ -159,6 +159,17 @@ def test_counts(xml_path: str) -> Optional[Dict[str, int]]:
             "skipped": counts["skipped"]}
 
 
+def progress_counts(log_text: str) -> Optional[Dict[str, int]]:
+    """passed / failed / errors / skipped counted from ``pytest -q``'s progress lines
+    (``..F.s  [ 42%]``), for a run killed before it wrote its junit XML (None: none)."""
+    marks = "".join(m.group(1) for m in re.finditer(r"^([.FEsxX]+)\s*\[\s*\d+%\]\s*$",
+                                                    log_text, re.M))
+    if not marks:
+        return None
+    return {"passed": marks.count(".") + marks.count("X"), "failed": marks.count("F"),
+            "errors": marks.count("E"), "skipped": marks.count("s") + marks.count("x")}
+
+
 def _table(log_text: str) -> str:
     """A benchmark's report: its output from the machine line on, without the logs
     (lines of a markdown table, the machine line and the run time)."""
@@ -195,9 +206,10 @@ def summary(outdir: str, dry_run: bool, run: Sequence[Step],
         lines.append(f"| {step.name} | {status} | {outcome.seconds:.0f} | {step.name}.log |")
     counts = test_counts(os.path.join(outdir, "tests.xml"))
     lines += ["", "## tests", ""]
-    if counts is None:
-        lines.append("no junit XML (see tests.log)")
-    else:
+    if counts is None:  # killed before pytest wrote it: count its progress characters
+        counts = progress_counts(read("tests"))
+        lines.append("no junit XML (killed at its limit?); from pytest's progress lines:")
+    if counts is not None:
         lines.append(", ".join(f"{v} {k}" for k, v in counts.items()))
         tail = [ln for ln in read("tests").splitlines() if ln.startswith(("FAILED", "ERROR"))]
         lines += [""] + [f"    {ln}" for ln in tail[:40]]

@@ -85,7 +85,8 @@ class CompressionHookState:
 
     Attributes:
         compression: the scheme as given.
-        process_group: the group the collectives go to.
+        process_group: the group DDP reduces over (the collectives go to a copy of it of
+            this state's own when it is the default group: see ``close``).
         rank: this process's rank in it.
         world_size: its size; the gradients are divided by it.
         buckets: DDP bucket index -> the adapted bucket DDP's last call under that index

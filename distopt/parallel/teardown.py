@@ -10,8 +10,9 @@ threads, releasing the last step's work (its tensors) or bucket; gloo's worker t
 releasing a finished work, whose tensors' Python objects are released under the GIL in
 torch 2.13 (``intrusive_ptr`` drops them when its count falls to one); and the same workers
 disposing of torch's PowerSGD callbacks. ``step()`` returns as soon as the last reduction
-is complete, before any of that has happened. Measured: 6 aborts in 36 runs of a 3-step
-script (``tests/parallel/exit_stress.py``).
+is complete, before any of that has happened. Measured with ``tests/parallel/exit_stress.py``
+(3 steps on 2 ranks, plain, PowerSGD and the DDP hook optimizer, ending cleanly, raising or
+after ``dist.destroy_process_group()``): 28 aborts in 200 runs before, 0 in 200 since.
 
 So the first optimizer built registers one ``atexit`` handler for the process. It runs on
 the main thread before finalization (after the handlers registered later, such as one of

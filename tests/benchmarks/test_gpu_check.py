@@ -54,3 +54,10 @@ def test_test_counts_read_pytests_junit_xml(tmp_path):
     assert gpu_check.test_counts(str(xml)) == {"passed": 4, "failed": 2, "errors": 1,
                                                "skipped": 3}
     assert gpu_check.test_counts(str(tmp_path / "missing.xml")) is None
+
+
+def test_progress_counts_stand_in_for_a_killed_run():
+    log = "$ python -m pytest\n..F.s          [ 40%]\nsssE.          [100%]\nFAILED x\n"
+    assert gpu_check.progress_counts(log) == {"passed": 4, "failed": 1, "errors": 1,
+                                             "skipped": 4}
+    assert gpu_check.progress_counts("no progress here") is None
