@@ -324,7 +324,9 @@ def test_grad_scaler_steps_equal_torch_optim_on_the_device(name, torch_cls, kwar
     and state (at this module's tolerances: the CPU run is bit for bit)."""
     try:
         torch_cls([torch.zeros(2, device=DEVICE, requires_grad=True)], **kwargs)
-    except RuntimeError as exc:  # a fused kernel this torch lacks on the device
-        pytest.skip(f"torch.optim refuses {name} on {DEVICE}: {exc}")
+    except RuntimeError:
+        # A fused kernel this torch lacks on the device (Adagrad on CUDA in 2.11): both sides
+        # step on the kernel they take there without fused=True, the foreach one.
+        kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
     check_against_torch(torch_cls, kwargs, overflows, compiled, unscale_first, DEVICE,
                         exact=DEVICE.type == "cpu")

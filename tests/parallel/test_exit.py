@@ -43,7 +43,10 @@ def _groups_released(rank: int, world_size: int) -> dict:
     from distopt.parallel import DataParallelOptimizer, PowerSGD, optimizer_hook, teardown
 
     def os_threads() -> int:
-        return len(os.listdir("/proc/self/task"))
+        # The OS's own count where it shows one (Linux); else the interpreter's view.
+        if os.path.isdir("/proc/self/task"):
+            return len(os.listdir("/proc/self/task"))
+        return threading.active_count()
 
     def train(net, opt, steps=3):
         for _ in range(steps):
@@ -82,7 +85,6 @@ def _groups_released(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/task")
 def test_the_exit_handler_closes_everything_and_stops_the_groups_threads():
     for result in run_world(_groups_released, 2):
         assert result["closed"] == (True, True)
@@ -91,5 +93,7 @@ def test_the_exit_handler_closes_everything_and_stops_the_groups_threads():
         assert result["retired_after"] == 0
         before, during, after = result["os_threads"]
         # 3 private groups (opt, dropped, the hook's) of gloo worker threads, all gone
-        assert during > before and after == before, result["os_threads"]
+        assert after == before, result["os_threads"]
+        if sys.platform.startswith("linux"):  # gloo's workers are seen in /proc only
+            assert during > before, result["os_threads"]
         assert "closed" in result["backward_after_close"]
