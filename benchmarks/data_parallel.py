@@ -43,8 +43,19 @@ on the wire. The model adds the wire time serially: it leaves out the overlap of
 communication with backward, so it is an upper bound for every row alike; the ratio in
 brackets is to DDP's modelled step at the same bandwidth.
 
+``--arrival``: instead, the buckets' order. The MLP's layers are used in the reverse of
+their registration order (``ReversedMLP``), so backward produces the first-registered
+layers' gradients first, and the construction's buckets (reverse registration order, as
+DDP's) are the wrong way round. Per step: the time from the start of backward to the first
+reduction handed to the communication thread (DataParallelOptimizer: bucket 0 complete, as
+its thread issues the buckets in order; DDP: the first call of a comm hook that records the
+time and runs torch's ``allreduce_hook``), and the step's time; for
+DataParallelOptimizer(Adam) with ``rebuild_buckets=False`` (the buckets as built, before)
+and with the default (rebuilt in arrival order after the first step, after), and DDP +
+Adam(fused) (which rebuilds its buckets after the first step too).
+
 Run: ``python benchmarks/data_parallel.py [--steps N] [--warmup N] [--params-millions M]
-[--batch B] [--markdown]``; the report (with ``--markdown``, markdown only) goes to stdout
+[--batch B] [--markdown] [--arrival]``; the report (with ``--markdown``, markdown only) goes to stdout
 and ends with the run time; progress is logged to stderr. The defaults take about 130 s
 on 2 cores (127 s with the GradScaler rows, the cores shared with other work).
 """
@@ -114,6 +125,134 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 
 # ---------------------------------------------------------------- on the ranks
 
+
+
+#: ``--arrival``'s configurations: name -> (kind, keyword arguments), in the table's order.
+ARRIVAL_CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "DDP + Adam(fused)": ("ddp", {"fused": True}),
+    "DPO(Adam), buckets as built (rebuild_buckets=False)": ("dpo", {"rebuild_buckets": False}),
+    "DPO(Adam), buckets rebuilt in arrival order (default)": ("dpo", {}),
+}
+
+
+class ReversedMLP(nn.Module):
+    """``layers`` Linear(1024, 1024), ReLU between, used in the reverse of their
+    registration order; the same weights every time."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, layer in enumerate(reversed(self.layers)):
+            x = layer(F.relu(x) if k else x)
+        return x
+
+
+def arrival_phase(kind: str, options: Dict[str, Any], layers: int, world_size: int,
+                  batch: Tuple[torch.Tensor, torch.Tensor], warmup: int,
+                  steps: int) -> Dict[str, Any]:
+    """Warm-up and timed steps on ``ReversedMLP``: each step's seconds, and the seconds
+    from the start of its backward to its first reduction."""
+    from distopt.parallel.reducer import GradientReducer
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = ReversedMLP(layers)
+    first: List[Optional[float]] = [None]
+    launch = GradientReducer._launch
+    if kind == "ddp":
+        net: nn.Module = nn.parallel.DistributedDataParallel(model)
+
+        def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            if first[0] is None:
+                first[0] = time.perf_counter()
+            return default_hooks.allreduce_hook(None, bucket)
+
+        net.register_comm_hook(None, hook)
+        opt: torch.optim.Optimizer = torch.optim.Adam(net.parameters(), lr=LR, **options)
+    else:
+        net = model
+        opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=LR, **options)
+
+        def timed_launch(reducer: Any, bucket: Any) -> None:
+            if bucket.index == 0 and first[0] is None:
+                first[0] = time.perf_counter()
+            launch(reducer, bucket)
+
+        GradientReducer._launch = timed_launch  # type: ignore[assignment]
+    x, y = batch
+
+    def one_step() -> Tuple[float, float]:
+        first[0] = None
+        start = time.perf_counter()
+        loss = F.mse_loss(net(x), y)
+        backward = time.perf_counter()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        end = time.perf_counter()
+        return end - start, (first[0] if first[0] is not None else end) - backward
+
+    try:
+        for _ in range(warmup):
+            one_step()
+        dist.barrier()
+        timed = [one_step() for _ in range(steps)]
+    finally:
+        GradientReducer._launch = launch  # type: ignore[assignment]
+    buckets = None
+    if isinstance(opt, DataParallelOptimizer):
+        buckets = [len(b) for b in opt.bucket_layout()]
+        opt.close()
+    return {"times": [t for t, _ in timed], "first": [f for _, f in timed],
+            "buckets": buckets}
+
+
+def measure_arrival(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
+    layers = layer_count(options.params_millions)
+    gen = torch.Generator().manual_seed(1 + rank)
+    batch = (torch.randn(options.batch, WIDTH, generator=gen),
+             torch.randn(options.batch, WIDTH, generator=gen))
+    out: Dict[str, Any] = {"layers": layers}
+    for name, (kind, kwargs) in ARRIVAL_CONFIGS.items():
+        if rank == 0:
+            logger.info("%s", name)
+        out[name] = arrival_phase(kind, kwargs, layers, world_size, batch, options.warmup,
+                                  options.steps)
+        gc.collect()
+    return out
+
+
+def arrival_report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str]:
+    first = ranks[0]
+    lines = [
+        f"machine: {machine()}; torch {torch.__version__}; {WORLD_SIZE} ranks on 127.0.0.1 "
+        f"(gloo), 1 intra-op thread each; ReversedMLP {first['layers']} x Linear({WIDTH}, "
+        f"{WIDTH}) used in the reverse of their registration order, batch {options.batch} "
+        f"per rank; Adam lr={LR}; {options.warmup} warm-up + {options.steps} timed steps; "
+        f"medians over steps of the slower rank's time",
+        "",
+    ]
+    table = [["config", "backward start -> first reduction ms", "step ms", "/ DDP step",
+              "buckets (parameters each)"]]
+    ddp = median_ms([r["DDP + Adam(fused)"]["times"] for r in ranks])
+    for name in ARRIVAL_CONFIGS:
+        step = median_ms([r[name]["times"] for r in ranks])
+        to_first = median_ms([r[name]["first"] for r in ranks])
+        buckets = first[name]["buckets"]
+        table.append([name, f"{to_first:.1f}", f"{step:.1f}", f"{step / ddp:.2f}",
+                      "-" if buckets is None else str(buckets)])
+    if options.markdown:
+        table.insert(1, ["---", "---:", "---:", "---:", "---"])
+        lines.extend("| " + " | ".join(cells) + " |" for cells in table)
+    else:
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        for cells in table:
+            lines.append("  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            ))
+    return lines
 
 
 def layer_count(params_millions: float) -> int:
@@ -243,7 +382,7 @@ def _rank_main(rank: int, world_size: int, port: int, options: argparse.Namespac
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )
-        out = measure(rank, world_size, options)
+        out = (measure_arrival if options.arrival else measure)(rank, world_size, options)
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
@@ -410,6 +549,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("-q", "--quiet", dest="verbose", action="store_false",
                         help="log no progress")
+    parser.add_argument("--arrival", action="store_true",
+                        help="measure the buckets' order instead (ReversedMLP): backward start "
+                             "to first reduction, and step time, before and after the rebuild")
     options = parser.parse_args(argv)
     for name in ("steps", "batch"):
         if getattr(options, name) < 1:
@@ -424,7 +566,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = time.perf_counter()
     logger.info("spawning %d ranks", WORLD_SIZE)
     ranks = run_world(options)
-    for line in report(ranks, options):
+    for line in (arrival_report if options.arrival else report)(ranks, options):
         print(line, flush=True)
     if options.markdown:
         print()

@@ -2,8 +2,10 @@
 
 Parameters are taken in reverse registration order (the order backward usually produces
 their gradients), split by (device, dtype), and cut into buckets of at most
-``bucket_cap_mb``; a parameter larger than the cap gets a bucket of its own. The layout is
-fixed at construction, so every rank issues the same collectives in the same order.
+``bucket_cap_mb``; a parameter larger than the cap gets a bucket of its own. After the
+first step the optimizer cuts them again in the order their gradients arrived on the
+group's first rank (as DDP rebuilds its buckets), with a small first bucket; every rank
+takes that rank's order, so every rank issues the same collectives in the same order.
 
 A bucket's buffer holds every gradient, one after the other, followed by one "used" flag per
 parameter: the reduction sums the flags too, so after it every rank knows which parameters
@@ -137,33 +139,50 @@ class Bucket:
 
 
 def assign_buckets(
-    params: Sequence[Tensor], positions: Sequence[int], cap_bytes: int
+    params: Sequence[Tensor],
+    positions: Sequence[int],
+    cap_bytes: int,
+    arrival: Optional[Sequence[int]] = None,
+    first_cap_bytes: Optional[int] = None,
 ) -> List[Bucket]:
-    """Cut ``params`` (in registration order) into buckets, in reduction order.
+    """Cut ``params`` into buckets, in reduction order.
 
     Args:
-        params: the parameters that take gradients.
+        params: the parameters that take gradients, in registration order.
         positions: their global indices.
         cap_bytes: the most gradient bytes a bucket holds (a larger parameter goes alone).
+        arrival: the global indices in the order their gradients arrived in a backward
+            pass (``DataParallelOptimizer`` rebuilds its buckets so after its first step, as
+            DDP does); None: reverse registration order, the usual order of backward.
+        first_cap_bytes: the cap of the first bucket of each (device, dtype), so that the
+            first reduction starts early (DDP's rebuilt buckets: 1 MiB); None: ``cap_bytes``.
 
     Returns:
-        The buckets, the first holding the last-registered parameters.
+        The buckets, the first holding the parameters whose gradients come first.
     """
+    if arrival is None:
+        ordered = list(zip(reversed(list(params)), reversed(list(positions))))
+    else:
+        by_position = dict(zip(positions, params))
+        ordered = [(by_position[i], i) for i in arrival]
     open_buckets: Dict[Tuple[torch.device, torch.dtype], Tuple[List[Tensor], List[int], int]] = {}
+    started: Dict[Tuple[torch.device, torch.dtype], int] = {}  # closed buckets per kind
     closed: List[Tuple[List[Tensor], List[int]]] = []
-    for p, i in zip(reversed(list(params)), reversed(list(positions))):
+    for p, i in ordered:
         key = (p.device, p.dtype)
         size = p.numel() * p.element_size()
         members, indices, used = open_buckets.get(key, ([], [], 0))
-        if members and used + size > cap_bytes:
+        cap = cap_bytes if first_cap_bytes is None or started.get(key, 0) else first_cap_bytes
+        if members and used + size > cap:
             closed.append((members, indices))
+            started[key] = started.get(key, 0) + 1
             members, indices, used = [], [], 0
         members.append(p)
         indices.append(i)
         open_buckets[key] = (members, indices, used + size)
     closed.extend((members, indices) for members, indices, _ in open_buckets.values())
-    # Order by the first parameter each bucket serves in reverse registration order.
-    order = {id(p): k for k, p in enumerate(reversed(list(params)))}
+    # Order by the first parameter each bucket serves.
+    order = {id(p): k for k, (p, _) in enumerate(ordered)}
     closed.sort(key=lambda mi: order[id(mi[0][0])])
     buckets = [Bucket(k, members, indices) for k, (members, indices) in enumerate(closed)]
     if buckets:

@@ -70,6 +70,14 @@ class Compression:
         saved per rank, under ``"compression"`` in the optimizer's ``state_dict``."""
         return None
 
+    def carried_state(self) -> Any:
+        """What the scheme bound to rebuilt buckets takes over (the optimizer cuts its
+        buckets again after its first step): None, nothing (residuals are carried per
+        parameter by the optimizer); a ``state_dict()`` for the new one's
+        ``checked_loader``; or False: its state is per bucket and cannot follow, so the
+        buckets stay as they are."""
+        return None
+
     def checked_loader(self, state: Any) -> Callable[[], None]:
         """Check ``state`` (from ``state_dict``, or None when absent) and return what loads
         it; raise ValueError naming what does not fit, changing nothing."""

@@ -16,7 +16,7 @@ import math
 import warnings
 import weakref
 import zlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,13 @@ from functional._validation import duplicate_pair
 logger = logging.getLogger(__name__)
 
 __all__ = ["DataParallelOptimizer"]
+
+#: The default ``bucket_cap_mb``, DDP's.
+_DEFAULT_BUCKET_CAP_MB = 25.0
+#: The first bucket's cap once the buckets are rebuilt, with the default cap: DDP's
+#: (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so that the first reduction starts
+#: as early as DDP's.
+_FIRST_BUCKET_BYTES = 1 << 20
 
 
 class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
@@ -120,6 +127,13 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             (frozen ones) at construction (``distopt.parallel.buffers``).
         broadcast_buffers: False: ``module``'s buffers are never broadcast (DDP's
             ``broadcast_buffers=False``).
+        rebuild_buckets: True (default): at the end of the first ``step()`` the buckets are
+            cut again in the order the gradients arrived on the group's first rank, as DDP
+            rebuilds its buckets (with DDP's 1 MiB first bucket under the default
+            ``bucket_cap_mb``), so that each later step's first reduction starts as early
+            as the gradients allow; state, residuals and ``.grad`` are carried over
+            unchanged (``bucket_layout()``). False: the construction's buckets (reverse
+            registration order) stay.
         **kwargs: the optimizer's keyword arguments.
 
     Raises:
@@ -138,7 +152,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         params: Iterable[Union[Tensor, Dict[str, Any]]],
         *args: Any,
         process_group: Any = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = _DEFAULT_BUCKET_CAP_MB,
         compression: Optional[Compression] = None,
         backward_passes_per_step: int = 1,
         sync: Optional[RoundRobin] = None,
@@ -146,6 +160,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         shard: Optional[str] = None,
         module: Optional[torch.nn.Module] = None,
         broadcast_buffers: bool = True,
+        rebuild_buckets: bool = True,
         **kwargs: Any,
     ) -> None:
         Joinable.__init__(self)  # no Join yet: ``join_hook`` is called by Join
@@ -197,8 +212,14 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         if isinstance(codec, TopK) and codec.ratio == 1.0:
             codec = dense_reduction()
         self._codec = codec
+        self._cap_bytes = max(1, int(bucket_cap_mb * 2**20))
+        # DDP's rebuilt buckets start with a small one, with the default cap only.
+        self._first_cap_bytes = (
+            min(self._cap_bytes, _FIRST_BUCKET_BYTES)
+            if bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB else None
+        )
         self._buckets = assign_buckets(
-            [all_params[i] for i in trained], trained, max(1, int(bucket_cap_mb * 2**20))
+            [all_params[i] for i in trained], trained, self._cap_bytes
         )
         #: Global index -> parameter, for every parameter in a bucket.
         self._bucketed = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
@@ -207,60 +228,17 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                 (f"parameter {i} (shape {tuple(all_params[i].shape)})", all_params[i])
                 for i in trained
             )
-        for bucket in self._buckets:
-            if compression is not None:
-                compression.check_bucket(bucket)
-            if codec.error_feedback:
-                bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
+        self._prepare_buckets()
         self._check_same_everywhere(all_params, group_of, bucket_cap_mb, outside)
         # As DDP at construction: the module's other parameters and its buffers too.
         self._broadcast_parameters(all_params + outside + (
             list(module.buffers()) if module is not None and broadcast_buffers else []
         ))
-        if shard is not None:
-            adafactor = getattr(torch.optim, "Adafactor", None)
-            name = "Adafactor" if adafactor and issubclass(optimizer_class, adafactor) else ""
-            pieces = _shard.split(self._buckets, world_size, shard, [
-                [_shard.state_size(name, p) * p.element_size() for p in b.params]
-                for b in self._buckets
-            ])
-            for bucket, parts in zip(self._buckets, pieces):
-                bucket.shard = _shard.Shard(bucket, parts, rank, whole=shard == "param")
-
-        # One functional optimizer per (bucket, param group): a bucket steps on its own.
-        self._units_of_group: List[List[int]] = [[] for _ in self.param_groups]
-        unit_params: List[List[Tensor]] = []
-        unit_indices: List[List[int]] = []
-        unit_options: List[Dict[str, Any]] = []
-        for bucket in self._buckets:
-            bucket.units = []
-            if shard is None:
-                members = list(zip(range(len(bucket.params)), bucket.params, bucket.grads))
-            else:  # this rank's pieces: views of the shard's buffer
-                sh = bucket.shard
-                members = [(pc.slot, v, g) for pc, v, g in zip(sh.own, sh.views, sh.grads)]
-            by_group: Dict[int, List[Any]] = {}
-            for member in members:
-                by_group.setdefault(group_of[bucket.positions[member[0]]], []).append(member)
-            for j, ms in sorted(by_group.items()):
-                u = len(unit_params)
-                unit_params.append([t for _, t, _ in ms])
-                unit_indices.append([bucket.positions[slot] for slot, _, _ in ms])
-                unit_options.append(options[j])
-                self._units_of_group[j].append(u)
-                bucket.units.append((u, [slot for slot, _, _ in ms], [g for _, _, g in ms]))
-        self._local: Optional[CompiledLocalOptimizer] = None
-        if not eager and unit_params:
-            fargs, fkwargs = as_keywords(optimizer_class, args, kwargs)
-            self._local = CompiledLocalOptimizer(
-                functional_optim_map[optimizer_class], optimizer_class, unit_params,
-                unit_indices, unit_options, fargs, fkwargs,
-            )
+        self._group_of = group_of
+        self._ctor = (args, kwargs, options)
         self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
-        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
-        self._settable = (
-            self._local.settable(self._hyper_keys) if self._local is not None else None
-        )
+        self._local: Optional[CompiledLocalOptimizer] = None
+        self._plan_units()
         #: What ``param_groups`` must keep: the buckets and compiled steps are built once.
         self._built = built_groups(
             type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
@@ -282,15 +260,14 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             else:
                 _check_group_unshared(group)
                 self._comm_group = group
+            self._codec_config = codec
             self._codec = codec.bound(self._comm_group, rank, world_size, self._buckets)
-            gathers = shard is not None and overlap and not eager
-            self._reducer = GradientReducer(
-                self._buckets, self._codec, self._comm_group, rank, world_size,
-                backward_passes_per_step,
-                _weak_call(self._before_reduction), _weak_call(self._on_reduced),
-                _weak_call(self._gather_stepped) if gathers else None,
-                _store if gathers else None,
-            )
+            self._reducer = self._new_reducer(record=rebuild_buckets)
+        #: Whether the buckets are cut again, in the order of the first step's gradients,
+        #: at the end of that step (``_rebuild_at_first_step``).
+        self._rebuild_pending = rebuild_buckets and self._reducer is not None
+        #: No step taken and no state loaded yet: there is no optimizer state anywhere.
+        self._fresh = True
         _claim(all_params, self)
         self._abandoned: Optional[weakref.finalize] = None
         if self._reducer is not None:
@@ -326,6 +303,202 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             rank, world_size, len(trained), len(self._buckets),
             "compiled" if self._local is not None else "eager", compression, sync,
         )
+
+    # ------------------------------------------------------------ the plan
+
+    def _prepare_buckets(self) -> None:
+        """What each bucket needs of the compression: its check, its residual."""
+        for bucket in self._buckets:
+            if self.compression is not None:
+                self.compression.check_bucket(bucket)
+            if self._codec.error_feedback:
+                bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
+
+    def _plan_units(self) -> None:
+        """The shards (sharded state) and one compiled step per (bucket, param group), from
+        the buckets and the groups' current hyper-parameters."""
+        shard, group_of = self.shard, self._group_of
+        if shard is not None:
+            adafactor = getattr(torch.optim, "Adafactor", None)
+            name = ("Adafactor" if adafactor and issubclass(self.optimizer_class, adafactor)
+                    else "")
+            pieces = _shard.split(self._buckets, self.world_size, shard, [
+                [_shard.state_size(name, p) * p.element_size() for p in b.params]
+                for b in self._buckets
+            ])
+            for bucket, parts in zip(self._buckets, pieces):
+                bucket.shard = _shard.Shard(bucket, parts, self.rank, whole=shard == "param")
+        args, kwargs, options = self._ctor
+        # One functional optimizer per (bucket, param group): a bucket steps on its own.
+        self._units_of_group: List[List[int]] = [[] for _ in self.param_groups]
+        unit_params: List[List[Tensor]] = []
+        unit_indices: List[List[int]] = []
+        unit_options: List[Dict[str, Any]] = []
+        for bucket in self._buckets:
+            bucket.units = []
+            if shard is None:
+                members = list(zip(range(len(bucket.params)), bucket.params, bucket.grads))
+            else:  # this rank's pieces: views of the shard's buffer
+                sh = bucket.shard
+                members = [(pc.slot, v, g) for pc, v, g in zip(sh.own, sh.views, sh.grads)]
+            by_group: Dict[int, List[Any]] = {}
+            for member in members:
+                by_group.setdefault(group_of[bucket.positions[member[0]]], []).append(member)
+            for j, ms in sorted(by_group.items()):
+                u = len(unit_params)
+                unit_params.append([t for _, t, _ in ms])
+                unit_indices.append([bucket.positions[slot] for slot, _, _ in ms])
+                unit_options.append(options[j])
+                self._units_of_group[j].append(u)
+                bucket.units.append((u, [slot for slot, _, _ in ms], [g for _, _, g in ms]))
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        if self._eager is None and unit_params:
+            fargs, fkwargs = as_keywords(self.optimizer_class, args, kwargs)
+            self._local = CompiledLocalOptimizer(
+                functional_optim_map[self.optimizer_class], self.optimizer_class, unit_params,
+                unit_indices, unit_options, fargs, fkwargs,
+            )
+        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
+        self._settable = (
+            self._local.settable(self._hyper_keys) if self._local is not None else None
+        )
+
+    def _new_reducer(self, record: bool = False) -> GradientReducer:
+        gathers = self.shard is not None and self.overlap and self._eager is None
+        return GradientReducer(
+            self._buckets, self._codec, self._comm_group, self.rank, self.world_size,
+            self.backward_passes_per_step,
+            _weak_call(self._before_reduction), _weak_call(self._on_reduced),
+            _weak_call(self._gather_stepped) if gathers else None,
+            _store if gathers else None,
+            record_arrival=record,
+        )
+
+    def bucket_layout(self) -> List[List[int]]:
+        """The buckets, in reduction order, as the global indices of their parameters (in
+        each bucket's buffer order): reverse registration order at construction, the order
+        the first step's gradients arrived after it (``rebuild_buckets``)."""
+        return [list(b.positions) for b in self._buckets]
+
+    def _arrival_order(self) -> Optional[List[int]]:
+        """The first step's arrival order (global indices) on the group's first rank, taken
+        by every rank (one broadcast); None where it is the present order. The parameters
+        whose gradient did not arrive follow in the present order."""
+        present = [i for b in self._buckets for i in b.positions]
+        order = list(dict.fromkeys(self._reducer.take_arrivals()))
+        got = set(order)
+        order += [i for i in present if i not in got]
+        if self.world_size > 1:
+            box = torch.tensor(order, dtype=torch.int64,
+                               device=collective_device(self._forward_group))
+            _buffers.broadcast([box], 0, self._forward_group)
+            order = box.tolist()
+        return None if order == present else order
+
+    def _layout_buckets(self, layout: Any, where: str) -> List[Bucket]:
+        """New buckets cut as ``layout`` (bucket -> global indices) says; ValueError naming
+        ``where`` unless it holds every bucketed parameter once, one dtype and device a
+        bucket."""
+        trained = self._bucketed
+        flat = [i for ps in layout for i in ps] if isinstance(layout, list) and all(
+            isinstance(ps, list) and ps for ps in layout) else None
+        if flat is None or sorted(flat) != sorted(trained) or any(
+            len({(trained[i].dtype, trained[i].device) for i in ps}) != 1 for ps in layout
+        ):
+            raise ValueError(
+                f"Invalid {where}: {layout!r} (expected a list of non-empty buckets of "
+                f"global indices, holding each of the parameters {sorted(trained)} once, one "
+                f"dtype and device a bucket)"
+            )
+        new = [Bucket(k, [trained[i] for i in ps], list(ps)) for k, ps in enumerate(layout)]
+        new[-1].last = True
+        return new
+
+    def _rebuild_at_first_step(self) -> None:
+        """The end of the first step (every rank alike): cut the buckets again in the order
+        the gradients arrived on the group's first rank, as DDP does, with DDP's small
+        first bucket; a compression whose state cannot follow keeps them."""
+        self._rebuild_pending = False
+        carried = self._codec.carried_state()
+        if carried is False:  # the same on every rank: its state is the same shape
+            logger.info("rank %d: buckets kept in registration order (%r holds state per "
+                        "bucket)", self.rank, self._codec)
+            return
+        order = self._arrival_order()
+        if order is None:
+            return
+        new = assign_buckets([self._bucketed[i] for i in order], order, self._cap_bytes,
+                             order, self._first_cap_bytes)
+        codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, new)
+        if carried is not None:
+            codec.checked_loader(carried)()
+        self._rebuild_buckets(new, codec)
+        logger.info("rank %d: buckets rebuilt in gradient arrival order: %d buckets, the "
+                    "first of %d parameters", self.rank, len(new), len(new[0].params))
+
+    def _rebuild_buckets(self, new: List[Bucket], codec: Compression) -> None:
+        """Replace the buckets by ``new`` (reduced by ``codec``), carrying the optimizer
+        state (gathered and cut again, when sharded) and the residuals over unchanged; each
+        ``.grad`` that was a view of its bucket keeps its values, as a view of the new one.
+        Between steps only (a collective, when sharded)."""
+        state: Dict[int, Dict[str, Any]] = {}
+        if self._fresh:
+            pass  # no state on any rank: nothing to gather
+        elif self._local is not None:
+            state = self._local.torch_state(copy=False)
+            if self.shard is not None:
+                state = self._gathered_state(state)
+        elif self._eager is not None and self.shard is not None:
+            ids = {id(p): i for i, p in self._bucketed.items()}
+            state = self._gathered_state(
+                {ids[id(p)]: dict(v) for p, v in self._eager.state.items() if id(p) in ids}
+            )
+        residuals = {}
+        if self._codec.error_feedback:
+            residuals = {
+                i: b.residual[o:o + p.numel()].clone()
+                for b in self._buckets for i, p, o in zip(b.positions, b.params, b.offsets)
+            }
+        views = {id(g) for b in self._buckets for g in b.grads}
+        self._reducer.close()
+        self._abandoned.detach()
+        self._buckets = new
+        self._codec = codec
+        self._prepare_buckets()
+        for b in new:
+            for p, view in zip(b.params, b.grads):
+                if p.grad is not None and id(p.grad) in views:
+                    with torch.no_grad():
+                        view.copy_(p.grad)
+                    p.grad = view
+            for i, p, o in zip(b.positions, b.params, b.offsets):
+                if i in residuals:
+                    b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
+        self._plan_units()
+        if self._local is not None:
+            if self.shard is not None:
+                state = self._own_pieces_of(state, list(range(max(self._bucketed) + 1)))
+            unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
+            hyper = [
+                {k: v for k, v in self.param_groups[unit_group[u]].items() if k != "params"}
+                for u in range(len(self._local.group_params))
+            ]
+            self._local.load_torch_state(hyper, state)
+        elif self._eager is not None and self.shard is not None:
+            own = set(self._piece_index())
+            for i, p in self._bucketed.items():
+                self._eager.state.pop(p, None)
+                if i in own and i in state:
+                    self._eager.state[p] = {
+                        k: v.to(p.device) if isinstance(v, Tensor) else v
+                        for k, v in state[i].items()
+                    }
+        self._reducer = self._new_reducer()
+        private = self._comm_group if self._comm_group is not self.process_group else None
+        self._abandoned = weakref.finalize(self, _abandon, self._reducer, private)
+        self._abandoned.atexit = False
 
     # ------------------------------------------------------------ stepping
 
@@ -453,6 +626,12 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             self._last_step_unscaled = scaling is None
         finally:
             self._reducer.reset()
+        self._fresh = False
+        if self._rebuild_pending:
+            if self._join_packet:  # a rank has joined: it cannot follow; every rank keeps them
+                self._rebuild_pending = False
+            else:
+                self._rebuild_at_first_step()
         return loss
 
     def _next_plan(self) -> bool:
@@ -802,51 +981,69 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
 
     def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` against this optimizer; return what loads it (no check left
-        to fail but the eager optimizer's own)."""
+        to fail but the eager optimizer's own). A compression state saved with other buckets
+        (``PowerSGD``'s ``layout``: the saving optimizer had rebuilt them) is loaded after
+        this optimizer's buckets are cut as it says."""
         check_groups(self.param_groups, self._built)
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
         residuals = self._check_residuals(state_dict, saved_ids)
-        load_codec = self._codec.checked_loader(state_dict.get("compression"))
+        relayout = self._saved_buckets(state_dict.get("compression"))
+        codec = self._codec if relayout is None else relayout[1]
+        load_codec = codec.checked_loader(state_dict.get("compression"))
         rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
-        if self._eager is not None:
-            eager_state = state_dict["state"]
-            if self.shard is not None:  # "param": whole parameters, this rank's only
+
+        def adopt_layout() -> None:
+            if relayout is not None:
+                self._rebuild_buckets(*relayout)
+                self._rebuild_pending = False
+
+        def own_of(whole: Dict[Any, Any], keyed_by_saved: bool) -> Dict[Any, Any]:
+            """This rank's part of a whole state (the pieces of the present buckets)."""
+            if keyed_by_saved:  # "param": whole parameters, this rank's only
                 own = set(self._piece_index())
                 order = {saved: i for i, saved in enumerate(saved_ids)}
-                eager_state = {k: v for k, v in eager_state.items() if order.get(k) in own}
+                return {k: v for k, v in whole.items() if order.get(k) in own}
+            return self._own_pieces_of(whole, saved_ids)
+
+        if self._eager is not None:
+            eager_state = state_dict["state"]
+            if self.shard is not None:
+                own_of(eager_state, True)
 
             def load_eager() -> None:
-                self._eager.load_state_dict(
-                    {"state": eager_state, "param_groups": saved_groups}
-                )
+                adopt_layout()
+                chosen = own_of(eager_state, True) if self.shard is not None else eager_state
+                self._eager.load_state_dict({"state": chosen, "param_groups": saved_groups})
                 self.param_groups = self._eager.param_groups
                 self.state = self._eager.state
                 self._load_extras(residuals, rounds)
                 load_codec()
+                self._fresh = False
             return load_eager
         position = {saved: i for i, saved in enumerate(saved_ids)}
-        state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+        whole = {position[k]: v for k, v in state_dict["state"].items() if k in position}
         for j, saved in enumerate(saved_groups):
             for key in self._hyper_keys:
                 if key in saved:
                     check_hyperparameter(
                         self.optimizer_class, key, saved[key], f"state_dict param group {j}"
                     )
-        if self.shard is not None:
-            state = self._own_pieces_of(state, saved_ids)
+        state = own_of(whole, False) if self.shard is not None else whole
         if self._local is not None:
             self._local.check_torch_state(state)
 
         def load_compiled() -> None:
+            adopt_layout()
+            mine = own_of(whole, False) if self.shard is not None else whole
             if self._local is not None:
                 unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
                 hyper = [
                     {k: v for k, v in saved_groups[unit_group[u]].items() if k != "params"}
                     for u in range(len(self._local.group_params))
                 ]
-                self._local.load_torch_state(hyper, state)
+                self._local.load_torch_state(hyper, mine)
             for group, saved in zip(self.param_groups, saved_groups):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             self._sent = [
@@ -854,7 +1051,32 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             ]
             self._load_extras(residuals, rounds)
             load_codec()
+            self._fresh = False
         return load_compiled
+
+    def _saved_buckets(self, compression: Any) -> Optional[Tuple[List[Bucket], Compression]]:
+        """The buckets (and the scheme bound to them) a compression state was saved with,
+        where they differ from this optimizer's; None where they do not (or it names none).
+
+        Raises:
+            ValueError: the layout does not fit this optimizer's parameters, or this
+                optimizer is sharded and has state already (cutting its state again needs
+                every rank: a rebuild happens at the end of a step, or before the first).
+        """
+        layout = compression.get("layout") if isinstance(compression, dict) else None
+        if layout is None or self._reducer is None or layout == self.bucket_layout():
+            return None
+        where = "state_dict['compression']['layout']"
+        buckets = self._layout_buckets(layout, where)
+        if self.shard is not None and not self._fresh:
+            raise ValueError(
+                f"Invalid {where}: {layout!r} (expected this optimizer's buckets "
+                f"{self.bucket_layout()!r}: a sharded optimizer that has stepped or loaded "
+                f"state cuts its buckets again only at the end of its first step; load such "
+                f"a state into a new DataParallelOptimizer before its first step)"
+            )
+        codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, buckets)
+        return buckets, codec
 
     def _gathered_state(self, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
         """The whole state in torch.optim's format, keyed by global index, from every
@@ -1092,6 +1314,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self._apply_changes()  # the active ranks' hyper-parameters (join._round)
         self._in_backward = in_backward
         self._join_packet = False
+        self._rebuild_pending = False  # the active ranks keep theirs while a rank has joined
         for bucket in self._buckets:
             bucket.divisor = divisor
         try:
@@ -1108,6 +1331,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             self._apply_changes()
             self._step_all(scaling)
             self._last_step_unscaled = scaling is None
+            self._fresh = False
         finally:
             self._reducer.reset()
 

@@ -231,7 +231,8 @@ class PowerSGD(Compression):
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
-        """This rank's PowerSGD state: ``iter``, ``error_dict``, ``p_memory_dict``,
+        """This rank's PowerSGD state: ``layout`` (each bucket's parameters, as global
+        indices: the dicts are per bucket), ``iter``, ``error_dict``, ``p_memory_dict``,
         ``q_memory_dict`` (bucket index -> tensor, copies) and ``rng`` (numpy's MT19937
         state as a tensor and numbers, so that ``torch.load(weights_only=True)`` reads it)."""
         state = self._state
@@ -239,6 +240,7 @@ class PowerSGD(Compression):
             return None
         _, key, pos, has_gauss, cached = state.rng.get_state()
         return {
+            "layout": [list(b.positions) for b in self._buckets],
             "iter": int(state.iter),
             "error_dict": _copies(state.error_dict),
             "p_memory_dict": _copies(state.p_memory_dict),
@@ -250,6 +252,21 @@ class PowerSGD(Compression):
                 "cached_gaussian": float(cached),
             },
         }
+
+    def carried_state(self) -> Any:
+        """The iteration count and the random generator, to a scheme bound to rebuilt
+        buckets; False once error feedback or warm start hold factors per bucket (torch's
+        ``start_powerSGD_iter > 1`` rule keeps them empty through the first step). Without
+        warm start the P and Q memories are scratch, refilled at every step."""
+        state = self._state
+        if state is None:
+            return None
+        if state.error_dict or (self.warm_start and state.p_memory_dict):
+            return False
+        carried = self.state_dict()
+        carried.update(error_dict={}, p_memory_dict={}, q_memory_dict={})
+        del carried["layout"]  # the old buckets'
+        return carried
 
     def checked_loader(self, state: Any) -> Callable[[], None]:
         """Check a ``state_dict()`` of this scheme against the buckets; return what loads it.
@@ -268,7 +285,15 @@ class PowerSGD(Compression):
                 f"Invalid {where}: {type(state).__name__} (expected None: this optimizer has "
                 f"no buckets, so no PowerSGD state)"
             )
-        _check_keys(where, state, _STATE_KEYS)
+        _check_keys(where, {k: v for k, v in state.items() if k != "layout"}
+                    if isinstance(state, dict) else state, _STATE_KEYS)
+        layout = state.get("layout")
+        mine = [list(b.positions) for b in self._buckets]
+        if layout is not None and layout != mine:
+            raise ValueError(
+                f"Invalid {where}['layout']: {layout!r} (expected this optimizer's buckets "
+                f"{mine!r}: the state is per bucket)"
+            )
         it = state["iter"]
         if isinstance(it, bool) or not isinstance(it, int) or it < 0:
             raise ValueError(f"Invalid {where}['iter']: {it!r} (expected an int >= 0)")

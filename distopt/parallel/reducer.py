@@ -69,6 +69,8 @@ class GradientReducer:
             thread with a bucket that ``on_reduced`` has stepped, starts the gather of its
             parameters and returns what ``store`` needs; None: no gathers.
         store: called on the finishing thread with the bucket and what ``gather`` returned.
+        record_arrival: note the global index of each parameter as its gradient arrives in
+            the first backward pass (``take_arrivals``).
 
     Attributes:
         no_sync: backward passes while it is True accumulate and do not count.
@@ -87,6 +89,7 @@ class GradientReducer:
         on_reduced: Callable[[Bucket, List[int]], None],
         gather: Optional[Callable[[Bucket], Any]] = None,
         store: Optional[Callable[[Bucket, Any], None]] = None,
+        record_arrival: bool = False,
     ) -> None:
         self.buckets = buckets
         self.codec = codec
@@ -118,6 +121,8 @@ class GradientReducer:
         self._issued: "queue.SimpleQueue[Optional[Tuple[bool, Bucket, Any]]]" = queue.SimpleQueue()
         self._threads: List[threading.Thread] = []
         self._handles = []
+        self._recording = record_arrival
+        self._arrivals: List[int] = []
         ref = weakref.ref(self)
         for bucket in buckets:
             for slot, p in enumerate(bucket.params):
@@ -137,6 +142,8 @@ class GradientReducer:
                 self._refused(bucket, slot, param)
                 raise
             self._first = (bucket, slot)
+        if self._recording:
+            self._arrivals.append(bucket.positions[slot])
         bucket.used[slot] = True
         if not self._pass_reduces:
             return
@@ -192,6 +199,7 @@ class GradientReducer:
 
     def _end_of_pass(self) -> None:
         self._pass_open = False
+        self._recording = False
         if self._pass_syncs:
             self._passes += 1
         if self._pass_reduces:
@@ -222,6 +230,7 @@ class GradientReducer:
         finishes the rest), after its launched buckets are done, so that the next pass
         cannot add to a bucket while it is being reduced."""
         self._pass_open = False
+        self._recording = False
         if not self._pass_reduces:
             return
         if not any(bucket.launched for bucket in self.buckets):
@@ -298,6 +307,13 @@ class GradientReducer:
         """Whether a backward pass that starts now would reduce (not in ``no_sync``, and
         the last of ``passes_per_step``): DDP's ``require_backward_grad_sync``."""
         return not self.no_sync and self._passes + 1 >= self.passes_per_step
+
+    def take_arrivals(self) -> List[int]:
+        """The global indices in the order their gradients arrived in the first backward
+        pass (each once), and stop recording."""
+        self._recording = False
+        arrivals, self._arrivals = self._arrivals, []
+        return arrivals
 
     def shadow(self) -> None:
         """Reduce every bucket with zero gradients and no parameter used by this rank, and

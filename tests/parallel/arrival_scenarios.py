@@ -1,0 +1,305 @@
+"""Rank functions for tests/parallel/test_arrival.py: buckets rebuilt in arrival order.
+
+The model registers its layers in one order and uses them in the reverse one, so backward
+produces the gradients of the first-registered layers first: the construction's buckets
+(reverse registration order) are exactly the wrong way round, and the first bucket's
+reduction waits for the whole backward pass until the optimizer rebuilds them.
+"""
+import copy
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from distopt.parallel import PowerSGD, TopK
+from distopt.parallel import optimizer as dp_optimizer
+from distopt.parallel.reducer import GradientReducer
+
+LAYERS = 6
+WIDTH = 48
+STEPS = 5
+#: Small buckets: several of them (about two layers each) at construction.
+CAP_MB = 2 * (WIDTH * WIDTH + WIDTH) * 4 / 2**20
+
+
+class Reversed(torch.nn.Module):
+    """Layers used in the reverse of their registration order; a head used last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.head = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Reversed()
+
+
+def _batches(rank: int, steps: int) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, WIDTH, generator=g), torch.randn(8, 1, generator=g))
+            for _ in range(steps)]
+
+
+class _Events:
+    """Per backward pass: how many gradients had arrived when the first reduction could be
+    issued (bucket 0 complete)."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.first_launch: List[int] = []
+        self.launched = False
+
+    def start(self) -> None:
+        self.arrived = 0
+        self.launched = False
+
+
+def _instrument(events: _Events) -> Any:
+    on_grad, launch = GradientReducer.on_grad, GradientReducer._launch
+
+    def counted_on_grad(self, bucket, slot, param):
+        events.arrived += 1
+        return on_grad(self, bucket, slot, param)
+
+    def counted_launch(self, bucket):
+        # The communication thread issues the buckets in order: the first reduction
+        # starts when bucket 0 is complete.
+        if bucket.index == 0 and not events.launched:
+            events.launched = True
+            events.first_launch.append(events.arrived)
+        return launch(self, bucket)
+
+    GradientReducer.on_grad = counted_on_grad
+    GradientReducer._launch = counted_launch
+    return lambda: (setattr(GradientReducer, "on_grad", on_grad),
+                    setattr(GradientReducer, "_launch", launch))
+
+
+def _ddp_run(cls: type, kwargs: Dict[str, Any], batches: List[Any]) -> List[torch.Tensor]:
+    model = _model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+    opt = cls(model.parameters(), **kwargs)
+    out = []
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        out.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    return out
+
+
+def parity(rank: int, world_size: int) -> Dict[str, Any]:
+    """Every configuration against DDP + torch.optim after every step, the layouts, and
+    when the first reduction launched in each backward pass."""
+    batches = _batches(rank, STEPS)
+    configs = {
+        "sgd-overlap": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, {}),
+        "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, {"overlap": False}),
+        "adamw-overlap": (torch.optim.AdamW, {"lr": 0.01, "fused": True}, {}),
+        "adamw-flat": (torch.optim.AdamW, {"lr": 0.01, "fused": True}, {"shard": "flat"}),
+        "adam-param": (torch.optim.Adam, {"lr": 0.01, "fused": True}, {"shard": "param"}),
+        "rprop-eager-param": (torch.optim.Rprop, {"lr": 0.01}, {"shard": "param"}),
+        "adagrad-accumulate": (torch.optim.Adagrad, {"lr": 0.05},
+                               {"backward_passes_per_step": 2}),
+    }
+    out: Dict[str, Any] = {}
+    for name, (cls, kwargs, options) in configs.items():
+        passes = options.get("backward_passes_per_step", 1)
+        reference = _ddp_run(cls, kwargs, batches) if passes == 1 else None
+        events = _Events()
+        restore = _instrument(events)
+        try:
+            model = _model()
+            opt = dp_optimizer.DataParallelOptimizer(
+                _eager_class(cls) if "eager" in name else cls, model.parameters(),
+                bucket_cap_mb=CAP_MB, **options, **kwargs)
+            layouts, exact = [opt.bucket_layout()], []
+            for step, (x, y) in enumerate(batches):
+                opt.zero_grad()
+                for k in range(passes):
+                    events.start()
+                    torch.nn.functional.mse_loss(model(x[k::passes]), y[k::passes]).backward()
+                opt.step()
+                layouts.append(opt.bucket_layout())
+                if reference is not None:
+                    now = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                    exact.append(bool(torch.equal(now, reference[step])))
+            out[name] = {
+                "layouts": layouts, "exact": exact, "first_launch": events.first_launch,
+                "params": torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]),
+                "state": _flat_state(opt.state_dict()),
+                "grads_are_views": all(
+                    any(p.grad is g for b in opt._buckets for g in b.grads)
+                    for p in model.parameters()
+                ),
+            }
+            opt.close()
+        finally:
+            restore()
+    out["arrival"] = _arrival_order(rank)
+    out["carried"] = carried(rank, world_size)
+    return out
+
+
+def _eager_class(cls: type) -> type:
+    """A subclass of ``cls`` with no functional twin: it steps eagerly."""
+    return type(f"Eager{cls.__name__}", (cls,), {})
+
+
+def _flat_state(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for i, entry in sd["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{i}.{key}"] = value.detach().clone()
+    for i, value in sd.get("residuals", {}).items():
+        out[f"residual.{i}"] = value.detach().clone()
+    return out
+
+
+def _arrival_order(rank: int) -> List[int]:
+    """The global indices in the order their gradients arrive (one plain backward)."""
+    model = _model()
+    order: List[int] = []
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i))
+    x, y = _batches(rank, 1)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return order
+
+
+def carried(rank: int, world_size: int) -> Dict[str, Any]:
+    """What the rebuild carries: after the first step (the rebuild at its end) the state
+    (whole, residuals included) equals that of an optimizer that keeps its buckets, for
+    state loaded before the first step too; and the runs go on alike where the layout does
+    not change what is computed."""
+    batches = _batches(rank, 3)
+    out: Dict[str, Any] = {}
+    cases = {
+        "adam-flat-loaded": (torch.optim.Adam, {"lr": 0.01}, {"shard": "flat"}, True),
+        "sgd-topk": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9},
+                     {"compression": TopK(0.5)}, False),
+        "adam-param-loaded": (torch.optim.Adam, {"lr": 0.01}, {"shard": "param"}, True),
+    }
+    for name, (cls, kwargs, options, load_first) in cases.items():
+        states = {}
+        for rebuild in (True, False):
+            model = _model()
+            opt = dp_optimizer.DataParallelOptimizer(
+                cls, model.parameters(), bucket_cap_mb=CAP_MB, rebuild_buckets=rebuild,
+                **options, **kwargs)
+            if load_first:
+                # A state as a local torch.optim leaves it, loaded before the first step.
+                local_model = _model()
+                local = cls(local_model.parameters(), **kwargs)
+                x, y = batches[0]
+                torch.nn.functional.mse_loss(local_model(x), y).backward()
+                local.step()
+                opt.load_state_dict(copy.deepcopy(local.state_dict()))
+            x, y = batches[1]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            states[rebuild] = (_flat_state(opt.state_dict()), opt.bucket_layout(),
+                               [p.grad.clone() for p in model.parameters()])
+            opt.close()
+        (s1, l1, g1), (s0, l0, g0) = states[True], states[False]
+        out[name] = {
+            "same_state": sorted(s1) == sorted(s0) and all(torch.equal(s1[k], s0[k]) for k in s1),
+            "entries": len(s1),
+            "same_grads": all(torch.equal(a, b) for a, b in zip(g1, g0)),
+            "rebuilt": l1 != l0,
+        }
+    return out
+
+
+def powersgd_resume(rank: int, world_size: int) -> Dict[str, Any]:
+    """PowerSGD (error feedback, warm start) across a checkpoint: a run that saves after
+    its buckets were rebuilt and goes on equals a new optimizer that loads the state before
+    its first step (it takes the saved layout) and goes on."""
+    batches = _batches(rank, 6)
+
+    def make(model):
+        return dp_optimizer.DataParallelOptimizer(
+            torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9, bucket_cap_mb=CAP_MB,
+            compression=PowerSGD(rank=2, start_iter=2, min_compression_rate=0.5))
+
+    def train(model, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    model = _model()
+    opt = make(model)
+    train(model, opt, batches[:4])
+    saved = copy.deepcopy(opt.state_dict())
+    saved_params = [p.detach().clone() for p in model.parameters()]
+    layout = opt.bucket_layout()
+    train(model, opt, batches[4:])
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    opt.close()
+
+    resumed_model = _model()
+    with torch.no_grad():
+        for p, v in zip(resumed_model.parameters(), saved_params):
+            p.copy_(v)
+    resumed = make(resumed_model)
+    before = resumed.bucket_layout()
+    resumed.load_state_dict(saved)
+    after = resumed.bucket_layout()
+    train(resumed_model, resumed, batches[4:])
+    again = torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()])
+    final_layout = resumed.bucket_layout()
+    resumed.close()
+    return {
+        "saved_layout": layout, "before": before, "after": after, "final": final_layout,
+        "equal": bool(torch.equal(straight, again)),
+        "error_entries": len(saved["compression"]["error_dict"]),
+    }
+
+
+def joined_first(rank: int, world_size: int) -> Dict[str, Any]:
+    """Under Join, rank 1 has no batch at all: the first step is shadowed, no rank rebuilds,
+    and the run ends (no hang) with equal parameters on both ranks."""
+    from torch.distributed.algorithms import Join
+
+    batches = _batches(rank, 3 if rank == 0 else 0)
+    model = _model()
+    opt = dp_optimizer.DataParallelOptimizer(
+        torch.optim.SGD, model.parameters(), lr=0.05, bucket_cap_mb=CAP_MB)
+    first = opt.bucket_layout()
+    with Join([opt]):
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    # A new epoch, even: every rank steps; the buckets stay as they were.
+    x, y = _batches(rank, 1)[0]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(params) for _ in range(world_size)]
+    dist.all_gather(every, params)
+    out = {"kept": opt.bucket_layout() == first,
+           "equal": all(torch.equal(every[0], e) for e in every)}
+    opt.close()
+    return out
+
+
+def everything(rank: int, world_size: int) -> Dict[str, Any]:
+    """The module's one world: every scenario above, in turn."""
+    out = parity(rank, world_size)
+    out["powersgd"] = powersgd_resume(rank, world_size)
+    out["joined"] = joined_first(rank, world_size)
+    return out
