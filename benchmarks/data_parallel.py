@@ -54,8 +54,20 @@ DataParallelOptimizer(Adam) with ``rebuild_buckets=False`` (the buckets as built
 and with the default (rebuilt in arrival order after the first step, after), and DDP +
 Adam(fused) (which rebuilds its buckets after the first step too).
 
+``--timeline FILE.png``: instead, a picture of a step. For DataParallelOptimizer(Adam) with
+``overlap=True`` (default buckets, and ``bucket_cap_mb=5``: one layer a bucket) and DDP +
+Adam(fused), each rank runs ``--warmup`` steps, then ``TIMELINE_STEPS`` steps under
+``torch.profiler`` (``profile_all_threads=True``: distopt's threads start before it); FILE.png
+gets one lane per thread per rank (forward, the autograd engine's functions and the
+``backward()`` call on the main thread; distopt's ``distopt.dp.*`` ranges on its
+communication and finishing threads; gloo's all_reduce on its threads), from the end of a
+barrier both ranks leave together. The table printed beside it: each configuration's backward
+compute, the time an all_reduce runs, and the share of it inside backward's compute.
+Drawing needs matplotlib, an extra: ``pip install -e ".[bench]"``.
+
 Run: ``python benchmarks/data_parallel.py [--steps N] [--warmup N] [--params-millions M]
-[--batch B] [--markdown] [--arrival]``; the report (with ``--markdown``, markdown only) goes to stdout
+[--batch B] [--markdown] [--arrival | --timeline FILE.png]``; the report (with
+``--markdown``, markdown only) goes to stdout
 and ends with the run time; progress is logged to stderr. The defaults take about 130 s
 on 2 cores (127 s with the GradScaler rows, the cores shared with other work).
 """
@@ -90,6 +102,7 @@ from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, TopK  # no
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from distopt.parallel.sync import partition  # noqa: E402
 from benchmarks._machine import free_port, machine, wchar  # noqa: E402
+from benchmarks._plot import pyplot  # noqa: E402
 
 logger = logging.getLogger("benchmarks.data_parallel")
 
@@ -209,11 +222,15 @@ def arrival_phase(kind: str, options: Dict[str, Any], layers: int, world_size: i
             "buckets": buckets}
 
 
+def rank_batch(rank: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's fixed batch (inputs, targets)."""
+    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+    return (torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, WIDTH, generator=gen))
+
+
 def measure_arrival(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
     layers = layer_count(options.params_millions)
-    gen = torch.Generator().manual_seed(1 + rank)
-    batch = (torch.randn(options.batch, WIDTH, generator=gen),
-             torch.randn(options.batch, WIDTH, generator=gen))
+    batch = rank_batch(rank, options.batch)
     out: Dict[str, Any] = {"layers": layers}
     for name, (kind, kwargs) in ARRIVAL_CONFIGS.items():
         if rank == 0:
@@ -243,15 +260,235 @@ def arrival_report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> 
         buckets = first[name]["buckets"]
         table.append([name, f"{to_first:.1f}", f"{step:.1f}", f"{step / ddp:.2f}",
                       "-" if buckets is None else str(buckets)])
-    if options.markdown:
-        table.insert(1, ["---", "---:", "---:", "---:", "---"])
-        lines.extend("| " + " | ".join(cells) + " |" for cells in table)
-    else:
-        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-        for cells in table:
-            lines.append("  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-            ))
+    lines.extend(table_lines(table, options.markdown, left=(0, 4)))
+    return lines
+
+
+# ---------------------------------------------------------------- --timeline
+
+#: ``--timeline``'s configurations: name -> (kind, keyword arguments), drawn top to bottom.
+TIMELINE_CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "DataParallelOptimizer(Adam), overlap=True": ("dpo", {}),
+    "DataParallelOptimizer(Adam), overlap=True, bucket_cap_mb=5": ("dpo", {"bucket_cap_mb": 5}),
+    "DDP + torch.optim.Adam(fused=True)": ("ddp", {"fused": True}),
+}
+#: Steps profiled per configuration, after ``--warmup``.
+TIMELINE_STEPS = 2
+#: The benchmark's own ranges around each part of a step (on the thread running it).
+STEP_PARTS = ("forward", "backward", "optimizer step")
+#: The autograd engine's range around each backward function it runs.
+ENGINE = "autograd::engine::evaluate_function"
+#: gloo's range around the work of one all_reduce, on gloo's own threads.
+GLOO = "gloo:all_reduce"
+
+
+def _drawn(name: str) -> bool:
+    return (name in STEP_PARTS or name == GLOO or name == "timeline.barrier"
+            or name.startswith((ENGINE, "distopt.dp.")))
+
+
+def timeline_phase(kind: str, options: Dict[str, Any], layers: int, world_size: int,
+                   batch: Tuple[torch.Tensor, torch.Tensor], warmup: int) -> Dict[str, Any]:
+    """``TIMELINE_STEPS`` steps under ``torch.profiler`` (every thread: distopt's threads
+    start at the first backward, before the profiler); the ranges drawn, as (name, thread,
+    start ms, end ms) from the end of a barrier both ranks leave together."""
+    model, opt, _ = build(kind, options, layers, None, world_size)
+    x, y = batch
+    record = torch.profiler.record_function
+
+    def one_step() -> None:
+        with record("forward"):
+            loss = F.mse_loss(model(x), y)
+        with record("backward"):
+            loss.backward()
+        with record("optimizer step"):
+            opt.step()
+        opt.zero_grad()
+
+    for _ in range(warmup):
+        one_step()
+    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=config) as prof:
+        with record("timeline.barrier"):
+            dist.barrier()
+        for _ in range(TIMELINE_STEPS):
+            one_step()
+    kept = [(e.name, e.thread, e.time_range.start, e.time_range.end)
+            for e in prof.events() if _drawn(e.name)]
+    zero = max(end for name, _, _, end in kept if name == "timeline.barrier")
+    buckets = None
+    if isinstance(opt, DataParallelOptimizer):
+        buckets = len(opt.bucket_layout())
+        opt.close()
+    return {"events": [(n, t, (s - zero) / 1e3, (e - zero) / 1e3)
+                       for n, t, s, e in kept if n != "timeline.barrier"],
+            "buckets": buckets}
+
+
+def measure_timeline(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
+    layers = layer_count(options.params_millions)
+    batch = rank_batch(rank, options.batch)
+    out: Dict[str, Any] = {"layers": layers}
+    for name, (kind, kwargs) in TIMELINE_CONFIGS.items():
+        if rank == 0:
+            logger.info("%s", name)
+        out[name] = timeline_phase(kind, kwargs, layers, world_size, batch, options.warmup)
+        gc.collect()
+    return out
+
+
+def _lanes(events: List[Tuple[str, int, float, float]]) -> List[Tuple[str, List[Any]]]:
+    """One rank's events by thread, as (lane label, events), main thread first: the
+    threads told apart by what runs on them (the profiler numbers threads, names none)."""
+    by_thread: Dict[int, List[Any]] = {}
+    for event in events:
+        by_thread.setdefault(event[1], []).append(event)
+
+    def role(items: List[Any]) -> Tuple[int, str]:
+        names = {n for n, _, _, _ in items}
+        if "backward" in names:
+            return 0, "main thread"
+        if any(n.startswith("distopt.dp.reduce[") for n in names):
+            return 1, "distopt communication thread"
+        if any(n.startswith("distopt.dp.reduce.wait[") for n in names):
+            return 2, "distopt finishing thread"
+        if GLOO in names:
+            return 3, "gloo threads"
+        return 4, "other thread"
+
+    merged: Dict[Tuple[int, str], List[Any]] = {}
+    for items in by_thread.values():
+        merged.setdefault(role(items), []).extend(items)  # gloo's threads share one lane
+    return [(label, items) for (_, label), items in sorted(merged.items())]
+
+
+#: Colours of the timeline's bars, by what runs.
+_COLOURS = {
+    "forward": "#b0b0b0", "backward (autograd engine)": "#4c72b0",
+    "optimizer step": "#8172b2", "reduction issued": "#dd8452",
+    "reduction awaited": "#f0c29e", "bucket step": "#55a868", "gloo all_reduce": "#c44e52",
+}
+
+
+def _kind(name: str) -> Optional[str]:
+    if name == "forward":
+        return "forward"
+    if name.startswith(ENGINE):
+        return "backward (autograd engine)"
+    if name == "optimizer step":
+        return "optimizer step"
+    if name.startswith("distopt.dp.reduce.wait["):
+        return "reduction awaited"
+    if name.startswith("distopt.dp.reduce["):
+        return "reduction issued"
+    if name.startswith("distopt.dp.step["):
+        return "bucket step"
+    if name == GLOO:
+        return "gloo all_reduce"
+    return None  # "backward" (the whole call, waits included) is drawn as an outline
+
+
+def draw_timeline(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> None:
+    """One panel per configuration, one lane per thread per rank."""
+    plt = pyplot("--timeline")
+    panels = []
+    for name in TIMELINE_CONFIGS:
+        lanes = [(f"rank {r} {label}", items) for r, result in enumerate(ranks)
+                 for label, items in _lanes(result[name]["events"])]
+        panels.append((name, lanes))
+    heights = [len(lanes) for _, lanes in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.6 + 0.5 * sum(heights)),
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (title, lanes) in zip(axes, panels):  # each panel on its own time scale
+        end = max(e for _, items in lanes for _, _, _, e in items)
+        for row, (_, items) in enumerate(lanes):
+            y = len(lanes) - 1 - row
+            for name, _, start, stop in items:
+                if name == "backward":
+                    ax.broken_barh([(start, stop - start)], (y - 0.42, 0.84),
+                                   facecolors="none", edgecolors="#4c72b0", linewidth=0.8)
+                    continue
+                kind = _kind(name)
+                if kind is None:
+                    continue
+                alpha = 0.85 if kind.startswith("gloo") else 1.0  # gloo's threads overlap
+                ax.broken_barh([(start, max(stop - start, end * 1e-3))], (y - 0.32, 0.64),
+                               facecolors=_COLOURS[kind], alpha=alpha)
+                if "[bucket " in name and stop - start > end * 0.012:
+                    ax.text((start + stop) / 2, y, name.split("[bucket ")[1].rstrip("]"),
+                            ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels([label for label, _ in reversed(lanes)], fontsize=8)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("ms from a barrier both ranks leave together "
+                        f"({TIMELINE_STEPS} steps after {options.warmup} warm-up steps)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="#4c72b0"))
+    labels = list(_COLOURS) + ["backward() call (until every bucket is averaged)"]
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    first = ranks[0]
+    fig.suptitle(
+        f"{WORLD_SIZE} ranks, gloo on 127.0.0.1, {machine()}, torch {torch.__version__}: MLP "
+        f"{first['layers']} x Linear({WIDTH}, {WIDTH}), batch {options.batch} per rank, Adam; "
+        f"bars: torch.profiler ranges (numbers: buckets)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    fig.savefig(options.timeline, dpi=110)
+    plt.close(fig)
+
+
+def _union(spans: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The spans merged where they overlap (gloo runs all_reduces on two threads)."""
+    out: List[Tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _overlap(events: List[Tuple[str, int, float, float]]) -> List[Tuple[float, float, float]]:
+    """Per step: (autograd compute ms, ms with an all_reduce running, the share of those ms
+    inside the compute's span)."""
+    steps = sorted((s, e) for n, _, s, e in events if n == "backward")
+    out = []
+    for k, (start, stop) in enumerate(steps):
+        until = steps[k + 1][0] if k + 1 < len(steps) else float("inf")
+        engine = [(s, e) for n, _, s, e in events if n.startswith(ENGINE) and start <= s <= stop]
+        first, last = min(s for s, _ in engine), max(e for _, e in engine)
+        reduce = _union([(s, e) for n, _, s, e in events if n == GLOO and start <= s < until])
+        total = sum(e - s for s, e in reduce)
+        inside = sum(max(0.0, min(e, last) - max(s, first)) for s, e in reduce)
+        out.append((last - first, total, inside / total if total else 0.0))
+    return out
+
+
+def timeline_report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str]:
+    lines = [
+        f"machine: {machine()}; torch {torch.__version__}; {WORLD_SIZE} ranks on 127.0.0.1 "
+        f"(gloo), 1 intra-op thread each; MLP {ranks[0]['layers']} x Linear({WIDTH}, {WIDTH}), "
+        f"batch {options.batch} per rank; {options.warmup} warm-up + {TIMELINE_STEPS} "
+        f"profiled steps; timeline: {options.timeline}",
+        "",
+    ]
+    table = [["config", "buckets", "backward compute ms", "all_reduce running ms",
+              "of it during backward compute"]]
+    for name in TIMELINE_CONFIGS:
+        rows = [row for result in ranks for row in _overlap(result[name]["events"])]
+        buckets = ranks[0][name]["buckets"]
+        table.append([name, "DDP's" if buckets is None else str(buckets),
+                      f"{statistics.median(r[0] for r in rows):.1f}",
+                      f"{statistics.median(r[1] for r in rows):.1f}",
+                      f"{100 * statistics.median(r[2] for r in rows):.0f}%"])
+    lines.extend(table_lines(table, options.markdown))
+    lines.append("")
+    lines.append("medians over the profiled steps of both ranks; backward compute: the "
+                 "autograd engine's first to last function on the main thread; all_reduce "
+                 "running: the time some gloo all_reduce range is open on gloo's threads, "
+                 "and its share inside that span")
+    draw_timeline(ranks, options)
     return lines
 
 
@@ -348,9 +585,7 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
 def measure(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
     """Every configuration on this rank: with the other rank, then alone."""
     layers = layer_count(options.params_millions)
-    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
-    batch = (torch.randn(options.batch, WIDTH, generator=gen),
-             torch.randn(options.batch, WIDTH, generator=gen))
+    batch = rank_batch(rank, options.batch)
     # A group of one per rank (every rank creates every group, in the same order).
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     out: Dict[str, Any] = {"layers": layers,
@@ -382,7 +617,7 @@ def _rank_main(rank: int, world_size: int, port: int, options: argparse.Namespac
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )
-        out = (measure_arrival if options.arrival else measure)(rank, world_size, options)
+        out = _mode(options)[0](rank, world_size, options)
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
@@ -390,12 +625,22 @@ def _rank_main(rank: int, world_size: int, port: int, options: argparse.Namespac
     except BaseException:  # noqa: B902 - reported by the parent
         results.put((rank, False, traceback.format_exc()))
     # Flush the result, then skip the interpreter's teardown: after a failure, gloo's
-    # threads of the broken group can block it (as in tests/parallel/world.py).
+    # threads of the broken group can block it (as in tests/worlds.py).
     results.close()
     results.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _mode(options: argparse.Namespace) -> Tuple[Any, Any]:
+    """What the ranks measure and what reports it: the tables, ``--arrival`` or
+    ``--timeline``."""
+    if options.arrival:
+        return measure_arrival, arrival_report
+    if options.timeline:
+        return measure_timeline, timeline_report
+    return measure, report
 
 
 def run_world(options: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -430,6 +675,17 @@ def run_world(options: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 
+
+
+def table_lines(table: List[List[str]], markdown: bool, left: Tuple[int, ...] = (0,)) -> List[str]:
+    """``table`` (a header row, then rows) as markdown, or as aligned text; the columns in
+    ``left`` are text, the others numbers (right-aligned)."""
+    if markdown:
+        rule = ["---" if i in left else "---:" for i in range(len(table[0]))]
+        return ["| " + " | ".join(cells) + " |" for cells in [table[0], rule] + table[1:]]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(cells, widths))) for cells in table]
 
 
 def median_ms(per_rank: List[List[float]]) -> float:
@@ -492,15 +748,7 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
         row(name, f"{entry['ms']:.1f}", f"{entry['ms'] / ddp['ms']:.2f}",
             human_bytes(entry["sent"]), human_bytes(entry["payload"]),
             human_bytes(entry["state"]), compute, *modelled)
-    if md:
-        table.insert(1, ["---"] + ["---:"] * (len(headers) - 1))
-        lines.extend("| " + " | ".join(cells) + " |" for cells in table)
-    else:
-        widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
-        for cells in table:
-            lines.append("  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-            ))
+    lines.extend(table_lines(table, md))
     lines.append("")
     lines.append(
         "GradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update(), "
@@ -516,15 +764,7 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
             plain = rows[name[:-len(" + GradScaler")]]["ms"]
             scaled_table.append([name, f"{entry['ms']:.1f}", f"{entry['ms'] / plain:.2f}",
                                  f"{entry['ms'] / reference:.2f}"])
-    if md:
-        scaled_table.insert(1, ["---", "---:", "---:", "---:"])
-        lines.extend("| " + " | ".join(cells) + " |" for cells in scaled_table)
-    else:
-        widths = [max(len(r[i]) for r in scaled_table) for i in range(4)]
-        for cells in scaled_table:
-            lines.append("  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-            ))
+    lines.extend(table_lines(scaled_table, md))
     lines.append("")
     lines.append(
         "sent: wchar change per timed step, mean of the ranks; payload: the modelled bytes "
@@ -552,7 +792,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--arrival", action="store_true",
                         help="measure the buckets' order instead (ReversedMLP): backward start "
                              "to first reduction, and step time, before and after the rebuild")
+    parser.add_argument("--timeline", metavar="FILE.png", default=None,
+                        help="instead, profile a few steps of DataParallelOptimizer and of "
+                             "DDP + Adam on both ranks and draw one lane per thread per rank "
+                             "into FILE.png (needs matplotlib: pip install -e \".[bench]\")")
     options = parser.parse_args(argv)
+    if options.arrival and options.timeline:
+        parser.error("Invalid options: --arrival and --timeline (expected one of them)")
+    if options.timeline:
+        pyplot("--timeline")  # before minutes of measuring, not after
     for name in ("steps", "batch"):
         if getattr(options, name) < 1:
             parser.error(f"Invalid --{name}: {getattr(options, name)!r} (expected >= 1)")
@@ -566,7 +814,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = time.perf_counter()
     logger.info("spawning %d ranks", WORLD_SIZE)
     ranks = run_world(options)
-    for line in (arrival_report if options.arrival else report)(ranks, options):
+    for line in _mode(options)[1](ranks, options):
         print(line, flush=True)
     if options.markdown:
         print()

@@ -33,9 +33,13 @@ adds that RPC's idle round trip. The owner-side column is timed from an
 idle GPU to the step's last kernel. The targets are the CPU's and are not applied. This is
 the issue's "DistributedOptimizer step with owners on one GPU": the distopt/torch column.
 
+``--plot FILE.png``: instead of the cases above, a sweep: Adam's step time for both libraries
+with 2 to 2,048 parameters of 1,024 elements, half on each owner (a table, and the picture in
+FILE.png, log-log; matplotlib: ``pip install -e ".[bench]"``).
+
 Run: ``python benchmarks/rpc_step.py [--device cpu|cuda] [--repeats N] [--threads N]
-[--intra-op-threads N] [--markdown]`` (``--intra-op-threads 0``: torch's default threads in
-all three processes, instead of one each); the report
+[--intra-op-threads N] [--markdown] [--plot FILE.png]`` (``--intra-op-threads 0``: torch's
+default threads in all three processes, instead of one each); the report
 (with ``--markdown``, markdown only) goes to stdout and ends with the run time, logs and
 warnings go to stderr. ``--repeats 3 --concurrent-steps 10`` gives a rough run in about
 40 s on 2 cores; the defaults take a few minutes.
@@ -73,6 +77,7 @@ from benchmarks._machine import (  # noqa: E402
     free_port,
     machine,
 )
+from benchmarks._plot import pyplot  # noqa: E402
 
 logger = logging.getLogger("benchmarks.rpc_step")
 
@@ -436,6 +441,65 @@ def run(options: argparse.Namespace) -> List[str]:
     return lines
 
 
+#: ``--plot``: the numbers of parameters swept, each of ``SWEEP_NUMEL`` elements, half on
+#: each owner.
+SWEEP_COUNTS = (2, 8, 32, 128, 512, 2048)
+SWEEP_NUMEL = 1024
+
+
+def sweep(options: argparse.Namespace) -> List[str]:
+    """``--plot``: the step time of both libraries against the number of parameters; the
+    table's lines (printed as they come), and the picture in ``options.plot``."""
+    lines: List[str] = _Report()
+    md = options.markdown
+    device = "cuda:0" if options.device == "cuda" else "cpu"
+    lines.append(
+        f"machine: {machine(options.device)}; torch {torch.__version__}; 3 processes, "
+        f"{threads_label(options.intra_op_threads)} each; Adam lr=1e-3; parameters of "
+        f"{SWEEP_NUMEL} elements on {device}, half on each owner; medians of "
+        f"{options.repeats} steps (opt.step(ctx) only)"
+    )
+    lines.append("")
+    header = ["parameters", "elements", "distopt ms", "torch ms", "torch / distopt"]
+    lines.append("| " + " | ".join(header) + " |" if md else "  ".join(header))
+    if md:
+        lines.append("| " + " | ".join(["---:"] * len(header)) + " |")
+    times: Dict[str, List[float]] = {label: [] for label in LIBRARIES}
+    for count in SWEEP_COUNTS:
+        layout = [("owner1", count // 2, SWEEP_NUMEL), ("owner2", count - count // 2, SWEEP_NUMEL)]
+        for label, lib in LIBRARIES.items():
+            sets = ParamSets(f"sweep-{label}-{count}", layout, device=device)
+            times[label].append(try_time_steps(lib, torch.optim.Adam, sets, options.repeats))
+            sets.drop()
+        ours, theirs = times["distopt"][-1], times["torch"][-1]
+        cells = [str(count), str(count * SWEEP_NUMEL), f"{ours:.2f}", f"{theirs:.2f}",
+                 f"{theirs / ours:.1f}x"]
+        lines.append("| " + " | ".join(cells) + " |" if md else "  ".join(cells))
+        logger.info("sweep: %d parameters done", count)
+    plt = pyplot("--plot")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = {"distopt": "distopt.DistributedOptimizer",
+             "torch": "torch.distributed.optim.DistributedOptimizer"}
+    for label, marker in (("distopt", "o"), ("torch", "s")):
+        ax.plot(SWEEP_COUNTS, times[label], marker=marker, label=names[label])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(SWEEP_COUNTS, [f"{c:,}" for c in SWEEP_COUNTS])
+    ax.minorticks_off()
+    ax.set_xlabel(f"parameters ({SWEEP_NUMEL} elements each, half on each of 2 owners)")
+    ax.set_ylabel("opt.step(ctx) ms (median)")
+    ax.set_title(f"Adam step over RPC: {machine(options.device)}, torch {torch.__version__}, "
+                 f"{options.repeats} steps each", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(options.plot, dpi=110)
+    plt.close(fig)
+    lines.append("")
+    lines.append(f"plot: {options.plot}")
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per measurement")
@@ -452,9 +516,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="set the owners' sys.setswitchinterval (seconds) before the busy-owner runs",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="instead, sweep the number of parameters and draw both libraries' step time "
+             "against it into FILE.png (needs matplotlib: pip install -e \".[bench]\")",
+    )
     add_device_argument(parser)
     options = parser.parse_args(argv)
     check_device(parser, options.device)
+    if options.plot:
+        pyplot("--plot")  # before the measuring, not after
     options.only = [s for s in options.only.split(",") if s]
     for name in ("repeats", "threads", "concurrent_steps"):
         if getattr(options, name) < 1:
@@ -484,7 +555,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.set_num_threads(threads)
     rpc.init_rpc("trainer", rank=0, world_size=3, rpc_backend_options=world.backend_options(port))
     try:
-        run(options)
+        (sweep if options.plot else run)(options)
     finally:
         rpc.shutdown()
         for proc in owners:

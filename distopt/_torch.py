@@ -2,13 +2,14 @@
 
 A torch release that moves or renames one of these should change this file only (distopt
 runs on torch 2.11 and 2.13). Not here: torch's ``_foreach_*`` kernels, which torch.optim
-itself runs and which distopt calls from TorchScript functions (``distopt.clipping``), where
-a Python wrapper cannot be called.
+itself runs and which distopt calls from TorchScript functions (``distopt.clipping``) by
+name; and the functional package's own, in ``functional/_torch.py`` (functional never
+imports distopt). ``tests/test_private_torch.py`` fails on a private torch name anywhere else.
 """
 import sys
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,8 @@ __all__ = [
     "destroy_private_group",
     "init_optimizer_internals",
     "jit_enabled",
+    "optimizer_hooks",
+    "profiler_running",
     "known_worker_ids",
     "queue_end_of_backward",
     "release_retired_groups",
@@ -101,6 +104,24 @@ def init_optimizer_internals(optimizer: torch.optim.Optimizer) -> None:
     optimizer._warned_capturable_if_run_uncaptured = True
 
 
+#: The hooks ``optimizer_hooks`` reads: torch.optim.Optimizer's ``register_<kind>_hook``.
+_HOOK_KINDS = ("state_dict_pre", "state_dict_post", "load_state_dict_pre",
+               "load_state_dict_post")
+
+
+def optimizer_hooks(optimizer: torch.optim.Optimizer, kind: str) -> List[Callable[..., Any]]:
+    """The hooks registered on ``optimizer`` by ``register_<kind>_hook``, in order; ``kind``
+    one of "state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post".
+
+    Needed by optimizers that build their own ``state_dict`` / ``load_state_dict`` (the
+    data-parallel ones): torch runs these hooks only inside its own methods and keeps them in
+    private dicts (``_optimizer_<kind>_hooks``), with no public way to read them.
+    """
+    if kind not in _HOOK_KINDS:
+        raise ValueError(f"Invalid kind: {kind!r} (expected one of {_HOOK_KINDS})")
+    return list(getattr(optimizer, f"_optimizer_{kind}_hooks").values())
+
+
 def queue_end_of_backward(callback: Any) -> None:
     """Run ``callback()`` once the backward pass now running has finished; call it from a
     hook inside that pass.
@@ -110,6 +131,20 @@ def queue_end_of_backward(callback: Any) -> None:
     engine's callback queue only through ``Variable._execution_engine``.
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def profiler_running() -> bool:
+    """Whether a profiler may record a range opened on this thread now.
+
+    Needed because ``torch.profiler.record_function`` costs about 4 us even when nothing
+    records (measured on torch 2.13), and torch exposes no public query: ``torch.profiler``
+    sets the Python flag ``torch.autograd.profiler._is_profiler_enabled`` (seen on every
+    thread, as ``profile_all_threads`` needs: the thread-local state stays off on threads
+    started before the profiler), and RPC's propagation of a caller's profiler into the
+    callee's handler sets only the thread-local ``torch.autograd._profiler_enabled()``.
+    Both together cost about 0.05 us.
+    """
+    return bool(torch.autograd.profiler._is_profiler_enabled) or torch.autograd._profiler_enabled()
 
 
 def all_gather_flat(output: Any, tensor: Any, group: Any = None, async_op: bool = False) -> Any:
@@ -182,8 +217,8 @@ def destroy_private_group(group: Any) -> None:
     """Destroy a group made by ``private_group`` (every rank must call it), and make sure
     its last reference is dropped on the calling thread.
 
-    torch's PowerSGD hook chains ``future.then`` callbacks whose closures hold the group;
-    gloo runs and releases them on the group's own worker threads. A callback released
+    Needed because torch's PowerSGD hook chains ``future.then`` callbacks whose closures
+    hold the group; gloo runs and releases them on the group's own worker threads. A callback released
     there after everything else let go would run the group's destructor on a worker
     thread, which joins itself: ``std::system_error: Resource deadlock avoided`` aborts
     the process. So destroyed groups wait here, and each call drops those that nothing

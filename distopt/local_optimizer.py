@@ -46,6 +46,7 @@ from functional._state import (
 __all__ = [
     "Change",
     "CompiledLocalOptimizer",
+    "CompiledSteps",
     "EagerLocalOptimizer",
     "LocalOptimizer",
     "empty_sparse_gradient",
@@ -433,7 +434,119 @@ class _GroupView:
         self._module.set_state(self._group, state)
 
 
-class CompiledLocalOptimizer(LocalOptimizer):
+class CompiledSteps:
+    """Functional optimizers, one per param group, in one scripted module, with their
+    state in torch.optim's format keyed by global index: what the data-parallel optimizers
+    step (per bucket and group; no owner, no locks, no registry), and what an RPC owner's
+    ``CompiledLocalOptimizer`` steps.
+
+    Args:
+        functional_cls: the functional stand-in for ``optimizer_class``.
+        optimizer_class: the class the user asked for.
+        group_params: the parameters of each group.
+        global_indices: for each group, its parameters' global indices.
+        group_options: each group's options as the user gave them (those
+            ``functional_cls`` does not take are left out).
+        args: positional arguments for ``functional_cls``, after the parameters.
+        kwargs: keyword arguments shared by every group; a group's own options win.
+        flat: put each group's small parameters into flat buffers, for the elementwise
+            classes (``functional.flatten_parameters``).
+
+    Attributes:
+        module: the scripted module (it holds its own copies of the functional optimizers).
+    """
+
+    def __init__(
+        self,
+        functional_cls: type,
+        optimizer_class: type,
+        group_params: List[List[Tensor]],
+        global_indices: List[List[int]],
+        group_options: List[Dict[str, Any]],
+        args: tuple,
+        kwargs: Dict[str, Any],
+        flat: bool = False,
+    ) -> None:
+        accepted = set(inspect.signature(functional_cls).parameters)
+        group_kwargs = [
+            {**kwargs, **{k: v for k, v in options.items() if k in accepted and k != "params"}}
+            for options in group_options
+        ]
+        with _compile_lock:  # construction may compile the functional class too
+            module = _FunctionalGroups(
+                functional_cls, group_params, group_kwargs, tuple(args), flat
+            )
+            self.module: Any = torch.jit.script(module)
+        self.group_params = group_params
+        self.global_indices = global_indices
+        self.optimizer_class = optimizer_class
+
+    def apply_changes(self, changes: Sequence[Change]) -> None:
+        """Apply hyper-parameter changes, (group, name, value) each."""
+        for group, name, value in changes:
+            self.module.set_hyperparameter(group, name, hyperparameter_values(name, value))
+
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        """Each group's hyper-parameters as torch.optim's param_groups hold them."""
+        out = []
+        for j in range(len(self.group_params)):
+            obj = self.module.optims[j]
+            group = {}
+            for key in group_keys(self.optimizer_class):
+                if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
+                    group[key] = obj.lr_tensor.clone()
+                else:
+                    group[key] = getattr(obj, key)
+            out.append(group)
+        return out
+
+    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
+        """The state in torch.optim's format, keyed by global index (with ``copy``, CPU
+        copies; without, the optimizers' own tensors)."""
+        out: Dict[int, Dict[str, Any]] = {}
+        for j, indices in enumerate(self.global_indices):
+            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=False)
+            for k, entry in sd["state"].items():
+                out[indices[k]] = _cpu_copies(entry) if copy else entry
+        return out
+
+    def load_torch_state(
+        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
+    ) -> None:
+        """Replace the state and hyper-parameters (``state`` keyed by global index; other
+        entries are ignored)."""
+        for j, indices in enumerate(self.global_indices):
+            part = {
+                "state": {k: state[i] for k, i in enumerate(indices) if i in state},
+                "param_groups": [{**hyperparameters[j], "params": list(range(len(indices)))}],
+            }
+            load_torch_state_dict(_GroupView(self.module, j), self.optimizer_class, part)
+
+    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """Each group's part goes through its functional optimizer's ``check_state`` (every
+        key, shape, dtype and device); messages name parameters by global index."""
+        for j, indices in enumerate(self.global_indices):
+            view = _GroupView(self.module, j)
+            part = {k: state[i] for k, i in enumerate(indices) if i in state}
+            try:
+                checked_state(view, functional_state(view, part, copy=False))
+            except ValueError as exc:
+                raise ValueError(_global_indices(str(exc), indices)) from None
+
+    def settable(self, keys: List[str]) -> Optional[List[str]]:
+        """Which of the hyper-parameters ``keys`` can change between steps; None: all."""
+        return settable_hyperparameters(_GroupView(self.module, 0), keys)
+
+    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
+        """Change a hyper-parameter of one group."""
+        self.module.set_hyperparameter(group, name, value)
+
+    def close(self) -> None:
+        """Drop the module and its state."""
+        self.module = None
+
+
+class CompiledLocalOptimizer(CompiledSteps, LocalOptimizer):
     """Functional optimizers, one per local param group, in one scripted module.
 
     Args:
@@ -456,90 +569,20 @@ class CompiledLocalOptimizer(LocalOptimizer):
 
     compiled = True
 
-    def __init__(
-        self,
-        functional_cls: type,
-        optimizer_class: type,
-        group_params: List[List[Tensor]],
-        global_indices: List[List[int]],
-        group_options: List[Dict[str, Any]],
-        args: tuple,
-        kwargs: Dict[str, Any],
-        trainer: Optional[Tuple[str, int]] = None,
-        flat: bool = False,
-    ) -> None:
-        accepted = set(inspect.signature(functional_cls).parameters)
-        group_kwargs = [
-            {**kwargs, **{k: v for k, v in options.items() if k in accepted and k != "params"}}
-            for options in group_options
-        ]
-        with _compile_lock:  # construction may compile the functional class too
-            module = _FunctionalGroups(
-                functional_cls, group_params, group_kwargs, tuple(args), flat
-            )
-            self.module: Any = torch.jit.script(module)
+    def __init__(self, *steps: Any, trainer: Optional[Tuple[str, int]] = None,
+                 flat: bool = False) -> None:
+        """``steps``: ``CompiledSteps``'s arguments up to ``kwargs``."""
+        CompiledSteps.__init__(self, *steps, flat=flat)
         # The scripted method itself: no Python frame between the step RPC and TorchScript.
         self.step_context = self.module.step_context
-        super().__init__(group_params, global_indices, optimizer_class, trainer)
+        LocalOptimizer.__init__(self, self.group_params, self.global_indices,
+                                self.optimizer_class, trainer)
 
     def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
         self.module.step_with_empty(autograd_ctx_id, has_context(autograd_ctx_id), empty)
 
-    def apply_changes(self, changes: Sequence[Change]) -> None:
-        for group, name, value in changes:
-            self.module.set_hyperparameter(group, name, hyperparameter_values(name, value))
-
-    def hyperparameters(self) -> List[Dict[str, Any]]:
-        out = []
-        for j in range(len(self.group_params)):
-            obj = self.module.optims[j]
-            group = {}
-            for key in group_keys(self.optimizer_class):
-                if key == "lr" and getattr(obj, "lr_tensor", None) is not None:
-                    group[key] = obj.lr_tensor.clone()
-                else:
-                    group[key] = getattr(obj, key)
-            out.append(group)
-        return out
-
-    def torch_state(self, copy: bool = True) -> Dict[int, Dict[str, Any]]:
-        out: Dict[int, Dict[str, Any]] = {}
-        for j, indices in enumerate(self.global_indices):
-            sd = to_torch_state_dict(self.module.optims[j], self.optimizer_class, clone=False)
-            for k, entry in sd["state"].items():
-                out[indices[k]] = _cpu_copies(entry) if copy else entry
-        return out
-
-    def load_torch_state(
-        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
-    ) -> None:
-        for j, indices in enumerate(self.global_indices):
-            part = {
-                "state": {k: state[i] for k, i in enumerate(indices) if i in state},
-                "param_groups": [{**hyperparameters[j], "params": list(range(len(indices)))}],
-            }
-            load_torch_state_dict(_GroupView(self.module, j), self.optimizer_class, part)
-
-    def check_torch_state(self, state: Dict[int, Dict[str, Any]]) -> None:
-        """Each group's part goes through its functional optimizer's ``check_state`` (every
-        key, shape, dtype and device); messages name parameters by global index."""
-        for j, indices in enumerate(self.global_indices):
-            view = _GroupView(self.module, j)
-            part = {k: state[i] for k, i in enumerate(indices) if i in state}
-            try:
-                checked_state(view, functional_state(view, part, copy=False))
-            except ValueError as exc:
-                raise ValueError(_global_indices(str(exc), indices)) from None
-
-    def settable(self, keys: List[str]) -> Optional[List[str]]:
-        return settable_hyperparameters(_GroupView(self.module, 0), keys)
-
     def defaults(self) -> Optional[Dict[str, Any]]:
         return None
-
-    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter of one local group; the caller holds the locks."""
-        self.module.set_hyperparameter(group, name, value)
 
     def end_exclusive(self, refusal: str) -> None:
         super().end_exclusive(refusal)
@@ -548,7 +591,7 @@ class CompiledLocalOptimizer(LocalOptimizer):
             self.module.refusal = refusal
 
     def close(self) -> None:
-        super().close()
+        LocalOptimizer.close(self)
         self.module = None
 
 

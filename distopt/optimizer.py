@@ -31,6 +31,8 @@ from distopt.param_groups import (
     signature_defaults,
     snapshot,
 )
+from distopt.profiling import profiler_range
+from distopt.shell import load_state_dict_with_hooks, refuse_add_param_group, state_dict_with_hooks
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)
@@ -281,7 +283,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 owners cannot follow (all checked before any owner is contacted).
             DistributedOptimizerError: some owners failed, or could not be reached.
         """
-        with self._lock:
+        with self._lock, profiler_range("distopt.DistributedOptimizer.step"):
             check_groups(self.param_groups, self._built)
             context_id, context = live_context(context_id)
             self._before_step(context_id)
@@ -367,13 +369,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             NotImplementedError: always; build a new DistributedOptimizer instead.
         """
-        raise NotImplementedError(
-            "Invalid add_param_group: a DistributedOptimizer's owners build their optimizers "
-            "once (expected every param group at construction)"
-        )
+        refuse_add_param_group("a DistributedOptimizer's owners' optimizers",
+                               "at construction")
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
-        """The state in torch.optim's format, gathered from every owner in parallel.
+        """The state in torch.optim's format, gathered from every owner in parallel, with
+        torch's state-dict hooks (``register_state_dict_pre_hook`` / ``_post_hook``) run
+        around it as torch.optim runs them.
 
         Returns:
             ``{"state": {index: {key: value}}, "param_groups": [{..., "params": [index, ...]}]}``
@@ -385,10 +387,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             check_groups(self.param_groups, self._built)
-            return state.gather_state_dict(self._layout, self.param_groups)
+            return state_dict_with_hooks(
+                self, lambda: state.gather_state_dict(self._layout, self.param_groups)
+            )
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
-        """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer.
+        """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer,
+        with torch's load hooks (``register_load_state_dict_pre_hook`` / ``_post_hook``) run
+        around it.
 
         Everything is checked on the trainer before any owner changes; then each owner gets
         its part, in parallel.
@@ -405,7 +411,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             check_groups(self.param_groups, self._built)
-            state.load_state_dict(self._layout, self._trainer_groups(), state_dict)
+            load_state_dict_with_hooks(
+                self, state_dict,
+                lambda sd: state.load_state_dict(self._layout, self._trainer_groups(), sd),
+            )
 
     def save(self, path: str) -> Dict[str, Any]:
         """Write a sharded checkpoint into the directory ``path``; see :mod:`distopt.checkpoint`.

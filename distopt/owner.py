@@ -27,6 +27,7 @@ from distopt.local_optimizer import (
     live_by_id,
 )
 from distopt.locks import holding
+from distopt.profiling import profiler_range
 
 #: What the trainer sends for one local param group: (parameter RRefs, their global
 #: indices, the group's options as the user gave them, without "params").
@@ -84,7 +85,7 @@ def new_compiled_local_optimizer(
     group_params, global_indices = _local_groups(specs)
     local = CompiledLocalOptimizer(
         functional_cls, optimizer_class, group_params, global_indices,
-        [options for _, _, options in specs], args, kwargs, trainer, flat,
+        [options for _, _, options in specs], args, kwargs, trainer=trainer, flat=flat,
     )
     _revoke_exclusive(local)
     script = rpc.RRef(local.module, exclusive.ExclusiveStep) if local.exclusive else None
@@ -199,7 +200,7 @@ def step_local_optimizer(
                 )
         else:
             local = optimizer.local_value()
-        with holding(local.locks):
+        with profiler_range("distopt.owner.step"), holding(local.locks):
             if changes:
                 try:
                     local.apply_changes(changes)

@@ -7,6 +7,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from functional._torch import mkldnn_layout
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``str(dtype)`` that also works in TorchScript, where a dtype is a bare integer."""
@@ -30,7 +32,7 @@ def layout_name(layout: int) -> str:
     (hence the annotation; eager code passes a ``torch.layout``)."""
     known = [
         torch.strided, torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
-        torch.sparse_bsc, torch._mkldnn,
+        torch.sparse_bsc, mkldnn_layout(),
     ]
     names = ["strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn"]
     for k in range(len(known)):

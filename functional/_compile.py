@@ -10,7 +10,8 @@ import threading
 from typing import Set
 
 import torch
-import torch._jit_internal as _jit_internal
+
+from functional._torch import class_resolution_callback
 
 _lock = threading.Lock()
 _compiled: Set[type] = set()
@@ -29,6 +30,6 @@ def ensure_scripted(cls: type) -> None:
             return
         # torch.jit.script(cls) resolves names from the caller's frame; resolve them from the
         # class's own module instead, so that any caller can trigger the compile.
-        rcb = _jit_internal.createResolutionCallbackForClassMethods(cls)
+        rcb = class_resolution_callback(cls)
         torch.jit.script(cls, _rcb=rcb)
         _compiled.add(cls)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from functional import _native
+from functional._torch import chunk_cat, is_view, storage_use_count
 
 
 @torch.jit.script
@@ -174,7 +175,7 @@ def _fill_script(f: FlatBuffer, gradients: List[Optional[Tensor]]) -> bool:
     if f.fill == 0:
         torch.cat(grads, out=f.grad)
     elif f.fill == 1:
-        torch._chunk_cat(grads, 0, 1, out=f.grad_row)
+        chunk_cat(grads, 0, 1, f.grad_row)
     else:
         torch._foreach_copy_(f.grad_views, grads)
     return True
@@ -505,10 +506,8 @@ def _storage_shared_elsewhere(p: Tensor) -> bool:
     storage = p.untyped_storage()
     if not storage.resizable():
         return True  # memory torch does not own (torch.from_numpy, dlpack)
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    return use_count(storage._cdata) > 2
+    count = storage_use_count(storage)
+    return count is not None and count > 2
 
 
 def _flattenable(params: List[Tensor], max_numel: int) -> List[int]:
@@ -532,7 +531,7 @@ def _flattenable(params: List[Tensor], max_numel: int) -> List[int]:
             and p.storage_offset() == 0
             and p.untyped_storage().nbytes() == p.numel() * p.element_size()
             and storages[p.untyped_storage().data_ptr()] == 1
-            and p._base is None
+            and not is_view(p)
             and not _storage_shared_elsewhere(p)
         ):
             out.append(i)

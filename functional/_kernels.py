@@ -5,7 +5,9 @@ and ``_fused_adam`` beside ``Adam``.
 
 A step is: ``gather`` (check every gradient, create missing state, collect the operands of
 each (device, dtype) group) then one update call per group, on the fused kernel where torch
-has a CPU one and on foreach ops otherwise. A class built with ``capturable=True`` keeps its
+has a CPU one, on this project's fused CPU kernel (``csrc/elementwise_ops.cpp``, see
+``native_kernels``) for the elementwise algorithms torch has none for, and on foreach ops
+otherwise. A class built with ``capturable=True`` keeps its
 scalar state on the parameter's device and takes the graph-safe form of its foreach update:
 every step-dependent number computed there from ``step_counts``, none read on the host.
 
@@ -25,13 +27,52 @@ Errors: bad values raise in one form, ``ValueError("Invalid gradients[3]: ... (e
 the ``RuntimeError`` refusals of a gradient kind or a complex parameter keep torch.optim's exact
 wording, for code that matches on it.
 """
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
 
+from functional import _native
 from functional._common import checked_state, dtype_name, layout_name, meta_params
 from functional._flat import Groups, flat_operands, split_flats, spread
+
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+#: The classes whose fused kernel is not bit for bit torch.optim's step (a few ulps: see
+#: ``csrc/elementwise_ops.cpp``): it runs only when asked for with ``foreach=False``, and
+#: the foreach path stays their default, as torch keeps a fused kernel off by default.
+INEXACT_KERNELS = ("Adadelta", "Adafactor", "NAdam", "RMSprop")
+
+
+def native_kernels(foreach: Optional[bool], capturable: bool, exact: bool = True) -> bool:
+    """Whether a class without a torch fused kernel steps its CPU parameters on this
+    project's fused kernel (``torch.ops.distopt_kernels``, ``csrc/elementwise_ops.cpp``): one
+    pass over parameter, gradient and state instead of one per foreach op, with the foreach
+    path's results (see that file). Yes where ``functional._native`` built it (for the
+    classes not ``exact``, ``INEXACT_KERNELS``, only with ``foreach=False``), unless
+    ``foreach=True`` (the foreach path, as asked) or ``capturable=True`` (its graph-safe
+    foreach form, which reads nothing on the host). Parameters off the CPU always take the
+    foreach path."""
+    if not _native.KERNELS:
+        return False
+    if foreach is not None and foreach:
+        return False
+    if not exact and foreach is None:
+        return False  # not bit for bit torch.optim's: only when asked (foreach=False)
+    return not capturable
+
+
+def native_op(fn: _F) -> _F:
+    """Decorate a function that calls a ``torch.ops.distopt_kernels`` op: where the kernels
+    were not built the op does not exist, so TorchScript compiles the function's callers
+    against its signature alone (``torch.jit.unused``; ``native_kernels`` is then False and
+    the function is never called)."""
+    if not _native.KERNELS:
+        torch.jit.unused(fn)
+    return fn
+
+from functional._torch import unscale_and_check_
 
 def scalar_places(keys: List[str], scalar_keys: List[str], on_device: bool) -> List[int]:
     """Where ``new_state`` makes each of ``keys`` (a class's ``scalars``): 0, a tensor laid out
@@ -398,7 +439,7 @@ def unscale_gradients(
         for group in groups:
             device = group[0].device
             seen = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, seen, inv_scale.to(device))
+            unscale_and_check_(group, seen, inv_scale.to(device))
     if found_inf is None:
         return False
     return bool(found_inf.item() != 0.0)

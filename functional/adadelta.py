@@ -31,10 +31,22 @@ from functional._kernels import (
     descend_,
     gather,
     increment_steps,
+    native_kernels,
+    native_op,
     no_operands,
     release,
     signed,
 )
+
+
+@native_op
+def adadelta_native(
+    ops: List[List[Tensor]], lr: float, rho: float, maximize: bool, weight_decay: float, eps: float
+) -> None:
+    """``adadelta_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
+    torch.ops.distopt_kernels.adadelta_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], lr, rho, eps, weight_decay, maximize
+    )
 
 
 def adadelta_update(
@@ -45,15 +57,20 @@ def adadelta_update(
     weight_decay: float,
     eps: float,
     lr_t: Optional[Tensor],
+    native: bool = False,
 ) -> None:
     """One Adadelta step over ``gather``'s operands ``[params, grads, step, square_avg,
-    acc_delta]``.
+    acc_delta]``, on the fused CPU kernel when ``native`` (``native_kernels``) and the
+    parameters are on the CPU, else on foreach ops.
 
-    Nothing is read on the host: the step is graph-safe as it is, and with ``lr_t``
+    Nothing is read on the host: the foreach step is graph-safe as it is, and with ``lr_t``
     (``step_lr``'s Tensor lr of a capturable step) reads the lr on the device too.
     """
     params, grads, square_avgs, acc_deltas, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        adadelta_native(ops, lr, rho, maximize, weight_decay, eps)
         return
     increment_steps(steps)
     grads = signed(grads, maximize)
@@ -85,8 +102,9 @@ class FunctionalAdadelta:
         u_t &= \rho u_{t-1} + (1 - \rho) \Delta_t^2 \\
         \theta_t &= \theta_{t-1} - \gamma \Delta_t
 
-    Every step runs on the foreach kernels (torch has no fused Adadelta); sparse gradients
-    are rejected, as torch.optim rejects them.
+    torch has no fused Adadelta: CPU steps run on this project's fused kernel where it was
+    built (``functional._native``), else and with ``foreach=True`` or ``capturable=True`` on
+    the foreach kernels; sparse gradients are rejected, as torch.optim rejects them.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -94,7 +112,7 @@ class FunctionalAdadelta:
         rho: decay rate of the running averages.
         eps: term added inside the square roots for numerical stability.
         weight_decay: L2 penalty.
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         capturable: keep ``step`` on the parameter's device, and read a Tensor lr there
             (CUDA graphs: a replayed graph sees changes to it). The update reads no tensor
             on the host either way.
@@ -140,6 +158,7 @@ class FunctionalAdadelta:
         self.keys = ['step', 'square_avg', 'acc_delta']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.native = native_kernels(foreach, self.capturable, exact=False)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -191,6 +210,7 @@ class FunctionalAdadelta:
             )
             for s in range(len(self.live)):
                 adadelta_update(
-                    self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps, lr_t
+                    self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps, lr_t,
+                    self.native,
                 )
             release(self.live, self.groups)

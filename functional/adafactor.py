@@ -31,6 +31,8 @@ from functional._flat import Groups, layout
 from functional._kernels import (
     check_length,
     increment_steps,
+    native_kernels,
+    native_op,
     new_operands,
     no_operands,
     refuse,
@@ -111,7 +113,8 @@ def adafactor_gather(
         live.append(vec)
 
 
-def adafactor_update(
+@native_op
+def adafactor_native(
     ops: List[List[Tensor]],
     lr: float,
     eps1: float,
@@ -122,10 +125,35 @@ def adafactor_update(
     maximize: bool,
     factored: bool,
 ) -> None:
+    """``adafactor_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``): three
+    passes over each gradient instead of about ten."""
+    torch.ops.distopt_kernels.adafactor_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], lr, beta2_decay, eps1, eps2, d, weight_decay,
+        maximize, factored,
+    )
+
+
+def adafactor_update(
+    ops: List[List[Tensor]],
+    lr: float,
+    eps1: float,
+    eps2: float,
+    beta2_decay: float,
+    d: float,
+    weight_decay: float,
+    maximize: bool,
+    factored: bool,
+    native: bool = False,
+) -> None:
     """One Adafactor step over ``adafactor_gather``'s operands ``[params, grads, steps,
-    first, second]``: row_var/col_var when ``factored``, else the variance twice."""
+    first, second]``: row_var/col_var when ``factored``, else the variance twice. On the
+    fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the CPU,
+    else on foreach ops."""
     params, grads, steps, first, second = ops[0], ops[1], ops[2], ops[3], ops[4]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        adafactor_native(ops, lr, eps1, eps2, beta2_decay, d, weight_decay, maximize, factored)
         return
     grads = signed(grads, maximize)
     increment_steps(steps)
@@ -201,8 +229,11 @@ class FunctionalAdafactor:
         \theta_t = \theta_{t-1} - \alpha_t U_t / \max(1, \mathrm{RMS}(U_t) / d)
 
     :math:`\epsilon_1` = None means the machine epsilon of the first updated parameter's
-    dtype, as in torch.optim. Every step runs on ``torch._foreach_*`` kernels (torch.optim
-    uses them only with ``foreach=True``; its per-tensor loop computes the same values).
+    dtype, as in torch.optim. CPU steps run on this project's fused kernel where it was built
+    (``functional._native``: the norms and the row and column means in one pass over the
+    gradient, the update's norm in a second, the update in a third), else and with
+    ``foreach=True`` on ``torch._foreach_*`` kernels (torch.optim uses them only with
+    ``foreach=True``; its per-tensor loop computes the same values).
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -213,7 +244,7 @@ class FunctionalAdafactor:
             and the smallest parameter scale.
         d: clipping threshold of the update's RMS.
         weight_decay: decoupled weight decay coefficient (multiplied by lr).
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
 
     Raises:
@@ -253,6 +284,7 @@ class FunctionalAdafactor:
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
+        self.native = native_kernels(foreach, False, exact=False)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -313,7 +345,7 @@ class FunctionalAdafactor:
             for s in range(len(self.live)):
                 adafactor_update(
                     self.live[s], lr, eps1, self.eps[1], self.beta2_decay, self.d,
-                    self.weight_decay, self.maximize, s % 2 == 0,
+                    self.weight_decay, self.maximize, s % 2 == 0, self.native,
                 )
             release(self.live, self.groups)
 

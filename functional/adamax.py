@@ -26,11 +26,28 @@ from functional._kernels import (
     decayed,
     gather,
     increment_steps,
+    native_kernels,
+    native_op,
     no_operands,
     release,
     signed,
     step_counts,
 )
+
+
+@native_op
+def adamax_native(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """``adamax_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
+    torch.ops.distopt_kernels.adamax_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], lr, betas[0], betas[1], eps, weight_decay, maximize
+    )
 
 
 def adamax_update(
@@ -42,11 +59,17 @@ def adamax_update(
     eps: float,
     capturable: bool,
     lr_t: Optional[Tensor],
+    native: bool = False,
 ) -> None:
-    """One Adamax step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_inf]``
-    (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
+    """One Adamax step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_inf]``:
+    on the fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the
+    CPU, else on foreach ops (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s
+    Tensor lr)."""
     params, grads, exp_avgs, exp_infs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        adamax_native(ops, lr, betas, maximize, weight_decay, eps)
         return
     beta1, beta2 = betas
     grads = signed(grads, maximize)
@@ -83,7 +106,9 @@ class FunctionalAdamax:
         u_t &= \max(\beta_2 u_{t-1}, |g_t| + \epsilon) \\
         \theta_t &= \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \frac{m_t}{u_t}
 
-    torch has no fused Adamax kernel; steps run on the foreach kernels.
+    torch has no fused Adamax kernel: CPU steps run on this project's fused kernel where it
+    was built (``functional._native``), else and with ``foreach=True`` or ``capturable=True``
+    on the foreach kernels.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -92,7 +117,7 @@ class FunctionalAdamax:
             infinity norm.
         eps: term added to the infinity norm for numerical stability.
         weight_decay: L2 penalty.
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
         capturable: make the step graph-safe (CUDA graphs): ``step`` lives on the
@@ -139,6 +164,7 @@ class FunctionalAdamax:
         self.keys = ['step', 'exp_avg', 'exp_inf']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -192,6 +218,6 @@ class FunctionalAdamax:
             for s in range(len(self.live)):
                 adamax_update(
                     self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps,
-                    self.capturable, lr_t,
+                    self.capturable, lr_t, self.native,
                 )
             release(self.live, self.groups)

@@ -25,11 +25,31 @@ from functional._kernels import (
     gather,
     increment_steps,
     lr_scaled,
+    native_kernels,
+    native_op,
     no_operands,
     release,
     signed,
     step_counts,
 )
+
+
+@native_op
+def asgd_native(
+    ops: List[List[Tensor]],
+    lr: float,
+    lambd: float,
+    maximize: bool,
+    weight_decay: float,
+    alpha: float,
+    t0: float,
+) -> None:
+    """``asgd_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``): torch.optim's
+    per-tensor ASGD, its eta and mu included, bit for bit."""
+    torch.ops.distopt_kernels.asgd_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], lr, lambd, alpha, t0, weight_decay,
+        maximize,
+    )
 
 
 def asgd_update(
@@ -42,11 +62,17 @@ def asgd_update(
     t0: float,
     capturable: bool,
     lr_t: Optional[Tensor],
+    native: bool = False,
 ) -> None:
-    """One ASGD step over ``gather``'s operands ``[params, grads, step, eta, mu, ax]`` (the
-    graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
+    """One ASGD step over ``gather``'s operands ``[params, grads, step, eta, mu, ax]``: on the
+    fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the CPU,
+    else on foreach ops (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s
+    Tensor lr)."""
     params, grads, axs, mus, etas, steps = ops[0], ops[1], ops[5], ops[4], ops[3], ops[2]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        asgd_native(ops, lr, lambd, maximize, weight_decay, alpha, t0)
         return
     grads = signed(grads, maximize)
     increment_steps(steps)
@@ -112,9 +138,10 @@ class FunctionalASGD:
         \eta_t &= \gamma / (1 + \lambda_d \gamma t)^\alpha \\
         \mu_t &= 1 / \max(1, t - t_0)
 
-    with :math:`\eta_0 = \gamma` and :math:`\mu_0 = 1`. Every step runs on the foreach
-    kernels (torch has no fused ASGD); sparse gradients are rejected, as torch.optim rejects
-    them.
+    with :math:`\eta_0 = \gamma` and :math:`\mu_0 = 1`. torch has no fused ASGD: CPU steps
+    run on this project's fused kernel where it was built (``functional._native``), else and
+    with ``foreach=True`` or ``capturable=True`` on the foreach kernels; sparse gradients are
+    rejected, as torch.optim rejects them.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -123,7 +150,7 @@ class FunctionalASGD:
         alpha: power of the step-size decay.
         t0: step at which averaging starts.
         weight_decay: L2 penalty.
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
         capturable: make the step graph-safe (CUDA graphs): the next eta and mu are
@@ -172,6 +199,7 @@ class FunctionalASGD:
         self.fills = [0.0, 0.0, 1.0, 0.0]
         # torch.optim.ASGD keeps all three on the parameter's device, capturable or not.
         self.scalars = scalar_places(self.keys, ["step", "eta", "mu"], True)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -229,6 +257,6 @@ class FunctionalASGD:
             for s in range(len(self.live)):
                 asgd_update(
                     self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha,
-                    self.t0, self.capturable, lr_t,
+                    self.t0, self.capturable, lr_t, self.native,
                 )
             release(self.live, self.groups)

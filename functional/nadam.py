@@ -26,6 +26,8 @@ from functional._kernels import (
     gather,
     increment_steps,
     lr_scaled,
+    native_kernels,
+    native_op,
     no_operands,
     release,
     signed,
@@ -39,6 +41,24 @@ def nadam_momentum(t: Tensor, beta1: float, momentum_decay: float) -> Tensor:
     return beta1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
 
 
+@native_op
+def nadam_native(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    momentum_decay: float,
+    eps: float,
+) -> None:
+    """``nadam_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
+    torch.ops.distopt_kernels.nadam_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], lr, betas[0], betas[1], eps,
+        weight_decay, momentum_decay, decoupled_weight_decay, maximize,
+    )
+
+
 def nadam_update(
     ops: List[List[Tensor]],
     lr: float,
@@ -50,11 +70,19 @@ def nadam_update(
     eps: float,
     capturable: bool,
     lr_t: Optional[Tensor],
+    native: bool = False,
 ) -> None:
     """One NAdam step over ``gather``'s operands ``[params, grads, step, mu_product, exp_avg,
-    exp_avg_sq]`` (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
+    exp_avg_sq]``: on the fused CPU kernel when ``native`` (``native_kernels``) and the
+    parameters are on the CPU, else on foreach ops (the graph-safe form when ``capturable``;
+    ``lr_t``: ``step_lr``'s Tensor lr)."""
     params, grads, exp_avgs, exp_avg_sqs, mu_products, steps = ops[0], ops[1], ops[4], ops[5], ops[3], ops[2]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        nadam_native(
+            ops, lr, betas, maximize, weight_decay, decoupled_weight_decay, momentum_decay, eps
+        )
         return
     beta1, beta2 = betas
     grads = signed(grads, maximize)
@@ -128,7 +156,9 @@ class FunctionalNAdam:
             + \frac{\mu_{t+1} m_t}{1 - \Pi_t \mu_{t+1}}\right) \Big/
             \left(\sqrt{v_t / (1 - \beta_2^t)} + \epsilon\right)
 
-    torch has no fused NAdam kernel; steps run on the foreach kernels.
+    torch has no fused NAdam kernel: CPU steps run on this project's fused kernel where it
+    was built (``functional._native``), else and with ``foreach=True`` or ``capturable=True``
+    on the foreach kernels.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -139,7 +169,7 @@ class FunctionalNAdam:
             ``decoupled_weight_decay``).
         momentum_decay: how fast the momentum coefficient approaches ``betas[0]``.
         decoupled_weight_decay: decay the parameters directly, as AdamW does (NAdamW).
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
         capturable: make the step graph-safe (CUDA graphs): ``step`` and ``mu_product``
             live on the parameter's device and every step-dependent number is computed
@@ -192,6 +222,7 @@ class FunctionalNAdam:
         self.keys = ['step', 'mu_product', 'exp_avg', 'exp_avg_sq']
         self.fills = [0.0, 1.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step", "mu_product"], self.capturable)
+        self.native = native_kernels(foreach, self.capturable, exact=False)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -251,6 +282,6 @@ class FunctionalNAdam:
                 nadam_update(
                     self.live[s], lr, self.betas, self.maximize, self.weight_decay,
                     self.decoupled_weight_decay, self.momentum_decay, self.eps,
-                    self.capturable, lr_t,
+                    self.capturable, lr_t, self.native,
                 )
             release(self.live, self.groups)

@@ -26,6 +26,8 @@ from functional._kernels import (
     decayed,
     gather,
     increment_steps,
+    native_kernels,
+    native_op,
     no_operands,
     release,
     signed,
@@ -76,6 +78,23 @@ def radam_sizes_on_device(
     return [sizes * rect * (1.0 - decay).sqrt(), sizes.masked_fill(rect > 0.0, 0.0)]
 
 
+@native_op
+def radam_native(
+    ops: List[List[Tensor]],
+    lr: float,
+    betas: Tuple[float, float],
+    maximize: bool,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    eps: float,
+) -> None:
+    """``radam_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
+    torch.ops.distopt_kernels.radam_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], lr, betas[0], betas[1], eps, weight_decay,
+        decoupled_weight_decay, maximize,
+    )
+
+
 def radam_update(
     ops: List[List[Tensor]],
     lr: float,
@@ -86,11 +105,17 @@ def radam_update(
     eps: float,
     capturable: bool,
     lr_t: Optional[Tensor],
+    native: bool = False,
 ) -> None:
-    """One RAdam step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_avg_sq]``
-    (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr)."""
+    """One RAdam step over ``gather``'s operands ``[params, grads, step, exp_avg, exp_avg_sq]``:
+    on the fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the
+    CPU, else on foreach ops (the graph-safe form when ``capturable``; ``lr_t``:
+    ``step_lr``'s Tensor lr)."""
     params, grads, exp_avgs, exp_avg_sqs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        radam_native(ops, lr, betas, maximize, weight_decay, decoupled_weight_decay, eps)
         return
     beta1, beta2 = betas
     increment_steps(steps)
@@ -141,7 +166,9 @@ class FunctionalRAdam:
                 & \rho_t > 5 \\
             \theta_{t-1} - \gamma \hat m_t & \text{otherwise} \end{cases}
 
-    torch has no fused RAdam kernel; steps run on the foreach kernels.
+    torch has no fused RAdam kernel: CPU steps run on this project's fused kernel where it
+    was built (``functional._native``), else and with ``foreach=True`` or ``capturable=True``
+    on the foreach kernels.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -151,7 +178,7 @@ class FunctionalRAdam:
         weight_decay: L2 penalty (decoupled from the gradient when
             ``decoupled_weight_decay``).
         decoupled_weight_decay: decay the parameters directly, as AdamW does (RAdamW).
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
         capturable: make the step graph-safe (CUDA graphs): ``step`` lives on the
             parameter's device and every step-dependent number is computed there, none read
@@ -200,6 +227,7 @@ class FunctionalRAdam:
         self.keys = ['step', 'exp_avg', 'exp_avg_sq']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -253,6 +281,6 @@ class FunctionalRAdam:
             for s in range(len(self.live)):
                 radam_update(
                     self.live[s], lr, self.betas, self.maximize, self.weight_decay,
-                    self.decoupled_weight_decay, self.eps, self.capturable, lr_t,
+                    self.decoupled_weight_decay, self.eps, self.capturable, lr_t, self.native,
                 )
             release(self.live, self.groups)

@@ -25,6 +25,8 @@ from functional._kernels import (
     descend_,
     gather,
     increment_steps,
+    native_kernels,
+    native_op,
     no_operands,
     release,
     signed,
@@ -41,6 +43,27 @@ def rmsprop_keys(momentum: float, centered: bool) -> List[str]:
     return keys
 
 
+@native_op
+def rmsprop_native(
+    ops: List[List[Tensor]],
+    lr: float,
+    alpha: float,
+    maximize: bool,
+    weight_decay: float,
+    centered: bool,
+    eps: float,
+    momentum: float,
+) -> None:
+    """``rmsprop_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
+    params = ops[0]
+    bufs = ops[4] if momentum > 0.0 else params[:0]
+    grad_avgs = ops[len(ops) - 1] if centered else params[:0]
+    torch.ops.distopt_kernels.rmsprop_(
+        params, ops[1], ops[2], ops[3], bufs, grad_avgs, lr, alpha, eps, weight_decay, momentum,
+        centered, maximize,
+    )
+
+
 def rmsprop_update(
     ops: List[List[Tensor]],
     lr: float,
@@ -51,17 +74,23 @@ def rmsprop_update(
     eps: float,
     momentum: float,
     lr_t: Optional[Tensor],
+    native: bool = False,
 ) -> None:
     """One RMSprop step over ``gather``'s operands ``[params, grads, steps, square_avgs,
-    (momentum_buffers with momentum), (grad_avgs when centered)]`` (``rmsprop_keys``).
+    (momentum_buffers with momentum), (grad_avgs when centered)]`` (``rmsprop_keys``), on the
+    fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the CPU,
+    else on foreach ops.
 
-    Nothing is read on the host: the step is graph-safe as it is, and with ``lr_t``
+    Nothing is read on the host: the foreach step is graph-safe as it is, and with ``lr_t``
     (``step_lr``'s Tensor lr of a capturable step) reads the lr on the device too.
     """
     params, grads, steps, square_avgs = ops[0], ops[1], ops[2], ops[3]
     bufs = ops[4] if momentum > 0.0 else params[:0]
     grad_avgs = ops[len(ops) - 1] if centered else params[:0]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        rmsprop_native(ops, lr, alpha, maximize, weight_decay, centered, eps, momentum)
         return
     grads = signed(grads, maximize)
     increment_steps(steps)
@@ -104,8 +133,9 @@ class FunctionalRMSprop:
 
     (without momentum, :math:`\mu = 0` and no buffer is kept).
 
-    Every step runs on the foreach kernels (torch has no fused RMSprop); sparse gradients
-    are rejected, as torch.optim rejects them.
+    torch has no fused RMSprop: CPU steps run on this project's fused kernel where it was
+    built (``functional._native``), else and with ``foreach=True`` or ``capturable=True`` on
+    the foreach kernels; sparse gradients are rejected, as torch.optim rejects them.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -119,7 +149,7 @@ class FunctionalRMSprop:
         capturable: keep ``step`` on the parameter's device, and read a Tensor lr there
             (CUDA graphs: a replayed graph sees changes to it). The update reads no tensor
             on the host either way.
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
 
@@ -167,6 +197,7 @@ class FunctionalRMSprop:
         self.keys = rmsprop_keys(self.momentum, self.centered)
         self.fills = [0.0 for _ in self.keys]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.native = native_kernels(foreach, self.capturable, exact=False)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -241,6 +272,6 @@ class FunctionalRMSprop:
             for s in range(len(self.live)):
                 rmsprop_update(
                     self.live[s], lr, self.alpha, self.maximize, self.weight_decay,
-                    self.centered, self.eps, self.momentum, lr_t,
+                    self.centered, self.eps, self.momentum, lr_t, self.native,
                 )
             release(self.live, self.groups)

@@ -23,9 +23,25 @@ from functional._kernels import (
     check_spec_state,
     gather,
     increment_steps,
+    native_kernels,
+    native_op,
     no_operands,
     release,
 )
+
+
+@native_op
+def rprop_native(
+    ops: List[List[Tensor]],
+    etas: Tuple[float, float],
+    step_size_bounds: Tuple[float, float],
+    maximize: bool,
+) -> None:
+    """``rprop_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
+    torch.ops.distopt_kernels.rprop_(
+        ops[0], ops[1], ops[2], ops[3], ops[4], etas[0], etas[1], step_size_bounds[0],
+        step_size_bounds[1], maximize,
+    )
 
 
 def rprop_update(
@@ -33,10 +49,16 @@ def rprop_update(
     etas: Tuple[float, float],
     step_size_bounds: Tuple[float, float],
     maximize: bool,
+    native: bool = False,
 ) -> None:
-    """One Rprop step over ``gather``'s operands ``[params, grads, step, prev, step_size]``."""
+    """One Rprop step over ``gather``'s operands ``[params, grads, step, prev, step_size]``,
+    on the fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the
+    CPU, else on foreach ops."""
     params, grads, prevs, step_sizes, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
     if len(params) == 0:
+        return
+    if native and params[0].device.type == "cpu":
+        rprop_native(ops, etas, step_size_bounds, maximize)
         return
     etaminus, etaplus = etas
     step_size_min, step_size_max = step_size_bounds
@@ -77,9 +99,10 @@ class FunctionalRprop:
         g_t &\leftarrow 0 \text{ where } \eta_t = \eta^- \\
         \theta_t &= \theta_{t-1} - \mathrm{sign}(g_t) \Gamma_t
 
-    and :math:`g_t` (after zeroing) is kept as ``prev``. Every step runs on the foreach
-    kernels (torch has no fused Rprop); sparse gradients are rejected, as torch.optim
-    rejects them.
+    and :math:`g_t` (after zeroing) is kept as ``prev``. torch has no fused Rprop: CPU steps
+    run on this project's fused kernel where it was built (``functional._native``), else and
+    with ``foreach=True`` or ``capturable=True`` on the foreach kernels; sparse gradients are
+    rejected, as torch.optim rejects them.
 
     Args:
         params: the parameters to update, in the order gradients will be given.
@@ -90,7 +113,7 @@ class FunctionalRprop:
             no tensor on the host either way; a Tensor lr is read on the host only by a step
             that gives a parameter its first state (whose step size starts at lr, as in
             torch.optim), not at every step.
-        foreach: accepted for compatibility; the foreach kernels are always used.
+        foreach: ``True`` selects the foreach kernels.
         maximize: maximize the objective instead of minimizing it.
         differentiable: accepted for compatibility; steps never record autograd history.
 
@@ -129,6 +152,7 @@ class FunctionalRprop:
         self.keys = ['step', 'prev', 'step_size']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -178,5 +202,5 @@ class FunctionalRprop:
                 [0.0, 0.0, lr], self.scalars, "dense", "Rprop does not support sparse gradients", False,
             )
             for s in range(len(self.live)):
-                rprop_update(self.live[s], self.etas, self.step_sizes, self.maximize)
+                rprop_update(self.live[s], self.etas, self.step_sizes, self.maximize, self.native)
             release(self.live, self.groups)

@@ -1,8 +1,23 @@
 """Fixtures shared across test folders."""
+from typing import Iterator
+
 import pytest
 
-from tests.hosts import checkpoints, jobs
+from tests import worlds as _worlds
+from tests.hosts import checkpoints
 from tests.hosts.conftest import EXAMPLE_TIMEOUT_S, PYTHON, RNN, RNN_ARGS, ROOT, local_env
+
+
+@pytest.fixture(scope="module")
+def worlds() -> Iterator[_worlds.Worlds]:
+    """This module's gloo worlds: ``worlds.run(fn, W, *args)`` runs ``fn(rank, W, *args)``
+    on every rank of a world of W ranks, started at its first use and kept until the
+    module's tests are done (``tests.worlds``)."""
+    pool = _worlds.Worlds()
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 @pytest.fixture(scope="session")
@@ -10,7 +25,7 @@ def rnn_one_machine(tmp_path_factory):
     """The RNN example run once on this machine, uninterrupted, with ``RNN_ARGS``:
     (every step's loss, the final checkpoint's contents)."""
     where = tmp_path_factory.mktemp("rnn_one_machine")
-    job = jobs.Job()
+    job = _worlds.Job()
     job.start([PYTHON, RNN, *RNN_ARGS, "--loss-log", str(where / "losses"),
                "--checkpoint", str(where / "ckpt")], env=local_env(), cwd=ROOT)
     assert job.finish(EXAMPLE_TIMEOUT_S) == [0], job.text()

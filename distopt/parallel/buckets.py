@@ -13,7 +13,7 @@ got a gradient on some rank; the others keep the ``.grad`` this rank had (None, 
 tensor after ``zero_grad(set_to_none=False)``), as DDP's ``find_unused_parameters`` leaves
 it.
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -49,6 +49,13 @@ class Bucket:
         divisor: what this window's sum of gradients is divided by: None for the world
             size; under ``torch.distributed.algorithms.Join`` with
             ``divide_by_initial_world_size=False``, the number of ranks not yet joined.
+        unused: after the reduction, the slots of parameters no rank gave a gradient and
+            whose ``.grad`` is None here (not stepped).
+        residual: with error feedback, what the compression has not sent yet (the
+            gradient part's shape); else None.
+        shard: with sharded state, this rank's part (``distopt.parallel.shard.Shard``).
+        units: ``(unit, slots, gradients)`` per param group in the bucket: the compiled
+            step ``unit`` updates the parameters at ``slots`` from ``gradients``.
     """
 
     def __init__(self, index: int, params: List[Tensor], positions: List[int]) -> None:
@@ -76,6 +83,10 @@ class Bucket:
         self.kept: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.stepped: Optional[Tuple[int, List[Optional[Tensor]]]] = None
         self.divisor: Optional[int] = None
+        self.unused: List[int] = []
+        self.residual: Optional[Tensor] = None
+        self.shard: Any = None
+        self.units: List[Tuple[int, List[int], List[Tensor]]] = []
 
     @property
     def dtype(self) -> torch.dtype:

@@ -10,32 +10,32 @@ A checkpoint is a directory (on a filesystem every rank shares)::
     dp-<generation>-residuals-rank<r>.pt  each rank's error-feedback residuals and its
                                         compression state (PowerSGD), if any
 
-Files are written with ``distopt.checkpoint.write_atomic`` (temporary name, fsync, rename)
+Files are written with ``distopt.manifest.write_atomic`` (temporary name, fsync, rename)
 under a new generation id; the manifest, renamed last, names them, so a failed save leaves
 the previous checkpoint loadable, and files of other generations are removed only after
 the new manifest is in place. Every rank reports whether its writes succeeded through one
 all_reduce before the manifest is written, and on load whether its part was accepted
-before any rank changes anything. Before reading a file, load checks it against the
-manifest (named there, same size, same CRC-32) and refuses, naming the file, one that is
-missing, resized or corrupted, as it refuses a manifest that does not parse.
+before any rank changes anything. Load refuses, on every rank and naming the file, a
+manifest that does not parse, or that names a file outside the directory (``..``, an
+absolute path, a generation that builds such a name, a symlink out); before reading a file
+it checks it against the manifest (named there, same size, same CRC-32) and refuses one
+that is missing, resized or corrupted. These checks are ``distopt.manifest``'s, shared with
+the RPC format (``distopt.checkpoint``).
 """
-import contextlib
-import json
 import logging
 import os
-import uuid
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
-from distopt.checkpoint import crc32_of, write_atomic
+from distopt import manifest as _manifest
+from distopt.manifest import MANIFEST, crc32_of, write_atomic
 from distopt.parallel import shard as _shard
 from distopt.parallel.sync import collective_device
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 FORMAT = "distopt.data_parallel"
 VERSION = 2
 
@@ -73,7 +73,7 @@ def _first_rank(opt: Any) -> int:
 
 def save(opt: Any, path: str) -> Dict[str, Any]:
     path = os.path.abspath(path)
-    box = [uuid.uuid4().hex[:16] if opt.rank == 0 else None]
+    box = [_manifest.new_generation() if opt.rank == 0 else None]
     try:
         dist.broadcast_object_list(box, src=_first_rank(opt), group=opt.process_group)
     except Exception as exc:
@@ -91,11 +91,10 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         if codec_state is not None:
             residuals = {"residuals": residuals or {}, "compression": codec_state}
         if per_rank or sharded or opt.rank == 0:
-            kind = "shard" if sharded else "state"
-            name = f"dp-{generation}-{kind}-rank{opt.rank}.pt"
+            name = _file_name(generation, "shard" if sharded else "state", opt.rank)
             written[name] = write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
         if residuals is not None:
-            name = f"dp-{generation}-residuals-rank{opt.rank}.pt"
+            name = _file_name(generation, "residuals", opt.rank)
             written[name] = write_atomic(os.path.join(path, name),
                                          lambda f: torch.save(residuals, f))
     except Exception as exc:  # reported on every rank below
@@ -103,7 +102,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     # A failed collective leaves this generation's files (whether some rank went on to
     # write the manifest cannot be known here); the next save removes them.
     if not _agree(error is None, opt, "save to", path):
-        _remove(path, written)
+        _manifest.prune(path, lambda name: name in written)
         raise RuntimeError(
             f"Invalid save to {path!r}: rank {opt.rank} "
             f"{'failed: ' + repr(error) if error else 'succeeded but another rank failed'}"
@@ -117,7 +116,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
             group=opt.process_group,
         )
     except Exception as exc:
-        _remove(path, written)
+        _manifest.prune(path, lambda name: name in written)
         raise _lost(opt, "save to", path, exc) from exc
     manifest = {
         "format": FORMAT,
@@ -133,20 +132,15 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     error = None
     if opt.rank == 0:
         try:
-            data = json.dumps(manifest, indent=1).encode()
-            write_atomic(os.path.join(path, MANIFEST), lambda f: _write_bytes(f, data))
+            _manifest.write(path, manifest)
         except Exception as exc:  # reported on every rank below
             error = exc
     if not _agree(error is None, opt, "save to", path):
-        _remove(path, written)
+        _manifest.prune(path, lambda name: name in written)
         raise RuntimeError(f"Invalid save to {path!r}: the manifest was not written: {error!r}")
     # Each rank removes its own files of older generations (and rank 0 the shared state).
-    for name in os.listdir(path):
-        if name.startswith("dp-") and f"-{generation}-" not in name and (
-            name.endswith(f"-rank{opt.rank}.pt")
-        ):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(path, name))
+    _manifest.prune(path, lambda name: name.endswith(f"-rank{opt.rank}.pt") and (
+        _manifest.generation_of(name, "dp") not in (None, generation)))
     _agree(True, opt, "save to", path)  # every rank's old files are gone when save returns
     logger.info("rank %d: saved generation %s to %s", opt.rank, generation, path)
     return manifest
@@ -157,26 +151,12 @@ def load(opt: Any, path: str) -> None:
     loader = None
     error = None
     try:
-        where = os.path.join(path, MANIFEST)
-        with open(where, "rb") as f:
-            try:
-                manifest = json.loads(f.read().decode())
-            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(
-                    f"Invalid checkpoint: {where!r} does not parse as JSON ({exc}); expected "
-                    f"the manifest that DataParallelOptimizer.save writes"
-                ) from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ValueError(
-                f"Invalid checkpoint {path!r}: format "
-                f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r} "
-                f"(expected {FORMAT!r}, written by DataParallelOptimizer.save)"
-            )
-        if manifest.get("version") != VERSION or not isinstance(manifest.get("files"), dict):
-            raise ValueError(
-                f"Invalid checkpoint {path!r}: version {manifest.get('version')!r} (expected "
-                f"{VERSION}, whose manifest records each file's size and CRC-32)"
-            )
+        manifest = _manifest.read(path, FORMAT, VERSION, "DataParallelOptimizer.save")
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            raise ValueError(f"Invalid checkpoint {path!r}: {MANIFEST!r} has no map of files")
+        for name in files:  # every file it names lies in the directory, read or not
+            _manifest.check_name(path, name)
         if manifest["optimizer_class"] != opt.optimizer_class.__name__:
             raise ValueError(
                 f"Invalid checkpoint {path!r}: optimizer_class {manifest['optimizer_class']!r} "
@@ -194,15 +174,11 @@ def load(opt: Any, path: str) -> None:
             sd = _join_shards(opt, path, manifest)
         else:
             source = opt.rank if manifest["state_per_rank"] else 0
-            sd = torch.load(
-                _checked(path, manifest, f"dp-{generation}-state-rank{source}.pt"),
-                weights_only=True,
-            )
+            name = _checked(path, manifest, _file_name(generation, "state", source))
+            sd = torch.load(name, weights_only=True)
         if manifest["residuals"]:
-            part = torch.load(
-                _checked(path, manifest, f"dp-{generation}-residuals-rank{opt.rank}.pt"),
-                weights_only=True,
-            )
+            name = _checked(path, manifest, _file_name(generation, "residuals", opt.rank))
+            part = torch.load(name, weights_only=True)
             if isinstance(part, dict) and "compression" in part:
                 sd["compression"] = part["compression"]
                 part = part["residuals"]
@@ -230,7 +206,7 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
     parts: Dict[int, List[Any]] = {}
     groups = None
     for r in range(manifest["world_size"]):
-        name = _checked(path, manifest, f"dp-{manifest['generation']}-shard-rank{r}.pt")
+        name = _checked(path, manifest, _file_name(manifest["generation"], "shard", r))
         part = torch.load(name, weights_only=True, mmap=True)
         groups = part["param_groups"]
         for i, (a, b) in part["pieces"].items():
@@ -260,38 +236,12 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
     return {"state": state, "param_groups": groups}
 
 
+def _file_name(generation: Any, kind: str, rank: int) -> str:
+    """The name of a rank's file of one save (``kind``: "state", "shard" or "residuals")."""
+    return f"dp-{generation}-{kind}-rank{rank}.pt"
+
+
 def _checked(path: str, manifest: Dict[str, Any], name: str) -> str:
-    """``path/name`` once it is checked against the manifest's record of it.
-
-    Raises:
-        ValueError: the manifest does not name the file, or the file is missing, of another
-            size or of another CRC-32 (naming the file and what differs).
-    """
-    full = os.path.join(path, name)
-    record = manifest["files"].get(name)
-    if not isinstance(record, dict):
-        raise ValueError(f"Invalid checkpoint: {full!r} is not among the manifest's files "
-                         f"{sorted(manifest['files'])}")
-    try:
-        size = os.path.getsize(full)
-    except OSError as exc:
-        raise ValueError(f"Invalid checkpoint: {full!r} is missing ({exc.strerror})") from None
-    if size != record.get("bytes"):
-        raise ValueError(f"Invalid checkpoint: {full!r} holds {size} bytes (the manifest "
-                         f"records {record.get('bytes')})")
-    crc = crc32_of(full)
-    if crc != record.get("crc32"):
-        raise ValueError(f"Invalid checkpoint: {full!r} has CRC-32 {crc} (the manifest records "
-                         f"{record.get('crc32')}): the file is corrupted")
-    return full
-
-
-def _write_bytes(name: str, data: bytes) -> None:
-    with open(name, "wb") as f:
-        f.write(data)
-
-
-def _remove(path: str, names: Any) -> None:
-    for name in names:
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(path, name))
+    """``path/name`` once it is checked against the manifest's record of it (see
+    ``distopt.manifest.check_file``)."""
+    return _manifest.check_file(path, name, manifest["files"].get(name))

@@ -204,7 +204,7 @@ class _Sparsify(Compression):
 
     def issue(self, bucket: Bucket, group: Any, world_size: int) -> Any:
         grads = bucket.buffer[:bucket.numel]
-        residual = getattr(bucket, "residual", None)
+        residual = bucket.residual
         accumulated = grads
         if residual is not None:
             accumulated = residual.add_(grads)  # the residual is gradient + residual now...

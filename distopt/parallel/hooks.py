@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distopt import _torch
 from distopt.arguments import check_arguments, check_optimizer_class
-from distopt.local_optimizer import CompiledLocalOptimizer
+from distopt.local_optimizer import CompiledSteps
 from distopt.param_groups import (
     as_keywords,
     built_groups,
@@ -45,6 +45,13 @@ from distopt.param_groups import (
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.teardown import close_at_exit, join_at_exit
+from distopt.profiling import profiler_range
+from distopt.shell import (
+    indexed_groups,
+    load_state_dict_with_hooks,
+    refuse_add_param_group,
+    state_dict_with_hooks,
+)
 from distopt.parallel.optimizer import (
     _amp_scaling,
     _drop_amp_scaling,
@@ -195,7 +202,8 @@ class CompressionHookState:
         bucket.last = grad_bucket.is_last()
         who = (self.rank, self.world_size, self.compression)
         try:
-            pending = self._codec.issue(bucket, self._comm_group, self.world_size)
+            with profiler_range("distopt.ddp.reduce", index):
+                pending = self._codec.issue(bucket, self._comm_group, self.world_size)
         except RuntimeError as exc:
             raise RuntimeError(f"{_where(who, bucket)} could not be issued: {exc}") from exc
         finally:
@@ -364,7 +372,8 @@ def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
             return
         codec, pending, bucket, future, after, who = job
         try:
-            codec.finish(pending, bucket, who[1])
+            with profiler_range("distopt.ddp.reduce.wait", bucket.index):
+                codec.finish(pending, bucket, who[1])
             if after is not None:
                 after(bucket)
         except BaseException as exc:  # noqa: B902 - handed to DDP, which raises it in backward
@@ -540,7 +549,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             start += len(ps)
         options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         fargs, fkwargs = as_keywords(optimizer_class, args, kwargs)
-        self._local = CompiledLocalOptimizer(
+        self._local = CompiledSteps(
             functional_optim_map[optimizer_class], optimizer_class, group_params, indices,
             options, fargs, fkwargs,
         )
@@ -634,14 +643,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
         unused: List[int] = []
         if self._skips_unused:
             unused = [s for s, f in enumerate(bucket.flags.tolist()) if f == 0]
-        for j, grads, slots in plan[1]:
-            if unused:
-                grads = list(grads)
-                for k, s in slots:
-                    if s in unused:
-                        # DDP leaves its .grad as it is: None, or a tensor torch.optim steps
-                        grads[k] = bucket.params[s].grad
-            self._step_group(j, grads)
+        with profiler_range("distopt.ddp.step", bucket.index):
+            for j, grads, slots in plan[1]:
+                if unused:
+                    grads = list(grads)
+                    for k, s in slots:
+                        if s in unused:
+                            # DDP leaves its .grad as it is: None, or a tensor torch.optim
+                            # steps
+                            grads[k] = bucket.params[s].grad
+                self._step_group(j, grads)
 
     def _plan(self, bucket: Bucket) -> _Plan:
         """Per param group with parameters in ``bucket``: the gradients to step it with
@@ -664,26 +675,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """The state in torch.optim's format; with error feedback also ``"residuals"``
         (global index -> this rank's residual, for the parameters this rank has one of)."""
         check_groups(self.param_groups, self._built)
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+        return state_dict_with_hooks(self, self._make_state_dict)
+
+    def _make_state_dict(self) -> Dict[str, Any]:
         state = self._local.torch_state()
-        params = [p for g in self.param_groups for p in g["params"]]
-        groups, start = [], 0
-        for g in self.param_groups:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        sd: Dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
+        sd: Dict[str, Any] = {"state": dict(sorted(state.items())),
+                              "param_groups": indexed_groups(self.param_groups)}
         if self.hook_state.error_feedback:
+            params = [p for g in self.param_groups for p in g["params"]]
             sd["residuals"] = {}
             for i, p in enumerate(params):
                 residual = self.hook_state.residual(p)
                 if residual is not None:
                     sd["residuals"][i] = residual.clone()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -697,10 +701,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 ``param_groups`` were edited since construction.
         """
         check_groups(self.param_groups, self._built)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        load_state_dict_with_hooks(self, state_dict, self._load)
+
+    def _load(self, state_dict: Dict[str, Any]) -> None:
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
         for j, saved in enumerate(saved_groups):
             for key in self._hyper_keys:
@@ -735,8 +738,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
         for i, value in residuals.items():
             self.hook_state.set_residual(params[i], value)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the compiled optimizers are built once.
@@ -744,10 +745,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         Raises:
             NotImplementedError: always.
         """
-        raise NotImplementedError(
-            "Invalid add_param_group: an OptimizerInBackward's groups are fixed at "
-            "construction (expected every param group in optimizer_hook)"
-        )
+        refuse_add_param_group("an OptimizerInBackward's groups", "in optimizer_hook")
 
 
 def optimizer_hook(

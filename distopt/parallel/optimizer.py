@@ -25,7 +25,7 @@ from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from distopt import _torch
 from distopt.arguments import check_arguments, check_optimizer_class
-from distopt.local_optimizer import CompiledLocalOptimizer
+from distopt.local_optimizer import CompiledSteps
 from distopt.param_groups import (
     as_keywords,
     built_groups,
@@ -42,6 +42,13 @@ from distopt.parallel.compression import Compression, TopK, dense_reduction
 from distopt.parallel.reducer import GradientReducer
 from distopt.parallel.sync import RoundRobin, average_, collective_device, partition
 from distopt.parallel.teardown import close_at_exit
+from distopt.shell import (
+    indexed_groups,
+    load_state_dict_with_hooks,
+    refuse_add_param_group,
+    state_dict_with_hooks,
+)
+from distopt.profiling import profiler_range
 from functional import functional_optim_map
 from functional._kernels import unscale_gradients
 from functional._state import check_hyperparameter
@@ -237,7 +244,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self._group_of = group_of
         self._ctor = (args, kwargs, options)
         self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
-        self._local: Optional[CompiledLocalOptimizer] = None
+        self._local: Optional[CompiledSteps] = None
         self._plan_units()
         #: What ``param_groups`` must keep: the buckets and compiled steps are built once.
         self._built = built_groups(
@@ -356,7 +363,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             self._local = None
         if self._eager is None and unit_params:
             fargs, fkwargs = as_keywords(self.optimizer_class, args, kwargs)
-            self._local = CompiledLocalOptimizer(
+            self._local = CompiledSteps(
                 functional_optim_map[self.optimizer_class], self.optimizer_class, unit_params,
                 unit_indices, unit_options, fargs, fkwargs,
             )
@@ -382,10 +389,10 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         the first step's gradients arrived after it (``rebuild_buckets``)."""
         return [list(b.positions) for b in self._buckets]
 
-    def _arrival_order(self) -> Optional[List[int]]:
+    def _arrival_order(self) -> List[int]:
         """The first step's arrival order (global indices) on the group's first rank, taken
-        by every rank (one broadcast); None where it is the present order. The parameters
-        whose gradient did not arrive follow in the present order."""
+        by every rank (one broadcast). The parameters whose gradient did not arrive follow
+        in the present order."""
         present = [i for b in self._buckets for i in b.positions]
         order = list(dict.fromkeys(self._reducer.take_arrivals()))
         got = set(order)
@@ -395,7 +402,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                                device=collective_device(self._forward_group))
             _buffers.broadcast([box], 0, self._forward_group)
             order = box.tolist()
-        return None if order == present else order
+        return order
 
     def _layout_buckets(self, layout: Any, where: str) -> List[Bucket]:
         """New buckets cut as ``layout`` (bucket -> global indices) says; ValueError naming
@@ -419,7 +426,8 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
     def _rebuild_at_first_step(self) -> None:
         """The end of the first step (every rank alike): cut the buckets again in the order
         the gradients arrived on the group's first rank, as DDP does, with DDP's small
-        first bucket; a compression whose state cannot follow keeps them."""
+        first bucket (also where the order is the construction's, as DDP); a compression
+        whose state cannot follow keeps them."""
         self._rebuild_pending = False
         carried = self._codec.carried_state()
         if carried is False:  # the same on every rank: its state is the same shape
@@ -427,10 +435,10 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                         "bucket)", self.rank, self._codec)
             return
         order = self._arrival_order()
-        if order is None:
-            return
         new = assign_buckets([self._bucketed[i] for i in order], order, self._cap_bytes,
                              order, self._first_cap_bytes)
+        if [b.positions for b in new] == self.bucket_layout():
+            return
         codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, new)
         if carried is not None:
             codec.checked_loader(carried)()
@@ -536,7 +544,8 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         """
         scaling = _amp_scaling(self)
         try:
-            return self._step(closure, scaling)
+            with profiler_range("distopt.DataParallelOptimizer.step"):
+                return self._step(closure, scaling)
         except BaseException:
             if scaling is not None:
                 # GradScaler.step deletes them after a step that returns; after one that
@@ -716,18 +725,19 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         that steps in ``step()``, which gathers every bucket after its step."""
         if not self._in_backward:
             return None
-        return bucket.shard.gather(self._comm_group)
+        return _gather(bucket, self._comm_group)
 
     def _step_bucket(self, bucket: Bucket, scaling: Optional[Any] = None) -> None:
-        unused = set(getattr(bucket, "unused", ()))
-        if self.shard is not None:
-            bucket.shard.load()
-            if not bucket.units:
-                return
-        for u, slots, grads in bucket.units:
-            if unused:
-                grads = [None if s in unused else g for s, g in zip(slots, grads)]
-            self._step_unit(u, grads, scaling)
+        with profiler_range("distopt.dp.step", bucket.index):
+            unused = set(bucket.unused)
+            if self.shard is not None:
+                bucket.shard.load()
+                if not bucket.units:
+                    return
+            for u, slots, grads in bucket.units:
+                if unused:
+                    grads = [None if s in unused else g for s, g in zip(slots, grads)]
+                self._step_unit(u, grads, scaling)
 
     def _step_unit(self, unit: int, grads: List[Optional[Tensor]], scaling: Optional[Any]) -> None:
         """One compiled step of one (bucket, param group); under a GradScaler (``scaling``:
@@ -782,7 +792,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                 with torch.no_grad():  # a gradient made with create_graph=True has a history
                     view.copy_(grad)
         if skipped:
-            bucket.unused = sorted(set(getattr(bucket, "unused", ())) | set(skipped))
+            bucket.unused = sorted(set(bucket.unused) | set(skipped))
 
     def _eager_step_own(self, scaling: Optional[Any] = None) -> None:
         """Sharded eager step: the other ranks' parameters are hidden from the eager
@@ -803,8 +813,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
 
     def _gather_all(self) -> None:
         """Gather every bucket's updated pieces (after a step outside backward)."""
-        gather = _gather_on(self._comm_group)
-        works = [gather(bucket) for bucket in self._buckets]
+        works = [_gather(bucket, self._comm_group) for bucket in self._buckets]
         for bucket, work in zip(self._buckets, works):
             _store(bucket, work)
 
@@ -816,8 +825,9 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         else:
             self._apply_changes()
             for bucket in self._buckets:
-                for u, slots, _ in bucket.units:
-                    self._step_unit(u, [_dense_grad(bucket, s) for s in slots], scaling)
+                with profiler_range("distopt.dp.step", bucket.index):
+                    for u, slots, _ in bucket.units:
+                        self._step_unit(u, [_dense_grad(bucket, s) for s in slots], scaling)
         members = self._partitions[self._round % self.sync.k]
         self._round += 1
         if not members:
@@ -923,30 +933,22 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
         ``"state"``, and where they lie under ``"pieces"`` (global index -> (start, stop))."""
         check_groups(self.param_groups, self._built)
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+        return state_dict_with_hooks(self, lambda: self._make_state_dict(gather))
+
+    def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
         if self._eager is not None:
             sd = self._eager.state_dict()
             if gather and self.shard is not None:
                 sd["state"] = dict(sorted(self._gathered_state(sd["state"]).items()))
         else:
-            indices, start = [], 0
-            for g in self.param_groups:
-                indices.append(list(range(start, start + len(g["params"]))))
-                start += len(g["params"])
             state = self._local.torch_state(copy=gather) if self._local is not None else {}
             if gather and self.shard is not None:
                 state = self._gathered_state(state)
-            sd = {
-                "state": dict(sorted(state.items())),
-                "param_groups": [
-                    {**{k: v for k, v in g.items() if k != "params"}, "params": idx}
-                    for g, idx in zip(self.param_groups, indices)
-                ],
-            }
+            sd = {"state": dict(sorted(state.items())),
+                  "param_groups": indexed_groups(self.param_groups)}
         if self._codec.error_feedback:
             sd["residuals"] = {
-                i: getattr(b, "residual")[o:o + p.numel()].view(p.shape).clone()
+                i: b.residual[o:o + p.numel()].view(p.shape).clone()
                 for b in self._buckets
                 for i, p, o in zip(b.positions, b.params, b.offsets)
             }
@@ -957,10 +959,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             sd["compression"] = extra
         if self.sync is not None:
             sd["sync"] = {"round": self._round}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -971,13 +969,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             ValueError: another class, group count, parameter count, shape, or a state entry
                 that does not fit, named.
         """
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._checked_loader(state_dict)()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        load_state_dict_with_hooks(self, state_dict, lambda sd: self._checked_loader(sd)())
 
     def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` against this optimizer; return what loads it (no check left
@@ -1203,10 +1195,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         Raises:
             NotImplementedError: always.
         """
-        raise NotImplementedError(
-            "Invalid add_param_group: a DataParallelOptimizer's buckets are fixed at "
-            "construction (expected every param group in the constructor)"
-        )
+        refuse_add_param_group("a DataParallelOptimizer's buckets", "in the constructor")
 
     def close(self) -> None:
         """Remove the gradient hooks (and ``module``'s forward pre-hook) and stop the
@@ -1515,18 +1504,18 @@ def saved_layout(state_dict: Any, param_groups: List[Dict[str, Any]]) -> Any:
     return saved_groups, saved_ids
 
 
-def _gather_on(group: Any) -> Callable[[Bucket], Any]:
-    def gather(bucket: Bucket) -> Any:
+def _gather(bucket: Bucket, group: Any) -> Any:
+    """Start the gather of ``bucket``'s updated pieces on ``group``."""
+    with profiler_range("distopt.dp.gather", bucket.index):
         return bucket.shard.gather(group)
-
-    return gather
 
 
 def _store(bucket: Bucket, work: Any) -> None:
     if work is None:  # a window that steps in step(), which gathers then
         return
-    work.wait()
-    bucket.shard.store()
+    with profiler_range("distopt.dp.gather.wait", bucket.index):
+        work.wait()
+        bucket.shard.store()
 
 
 def _check_shard(shard: Any, optimizer_class: type, eager: bool, sync: Any) -> None:

@@ -43,6 +43,7 @@ from distopt._torch import backward_depth, queue_end_of_backward
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
 from distopt.parallel.teardown import join_at_exit
+from distopt.profiling import profiler_range
 
 logger = logging.getLogger(__name__)
 
@@ -495,7 +496,8 @@ def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[
         while following in arrived:
             bucket = reducer.buckets[following]
             try:
-                pending = reducer.codec.issue(bucket, reducer.group, reducer.world_size)
+                with profiler_range("distopt.dp.reduce", bucket.index):
+                    pending = reducer.codec.issue(bucket, reducer.group, reducer.world_size)
             except BaseException as exc:  # noqa: B902 - reported by step()
                 reducer.fail(f"starting the reduction of {_describe(bucket)}", exc)
                 del reducer, bucket
@@ -548,7 +550,8 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
                 reducer.bucket_done(False)
                 del reducer, bucket, pending, item
                 continue
-            reducer.codec.finish(pending, bucket, reducer.world_size)
+            with profiler_range("distopt.dp.reduce.wait", bucket.index):
+                reducer.codec.finish(pending, bucket, reducer.world_size)
             unused = bucket.leave_unused()
             what = f"the step of {_describe(bucket)}"
             reducer.on_reduced(bucket, unused)

@@ -8,13 +8,12 @@ with SparseAdam are checked against torch.optim and torch.nn.utils on the same d
 process.
 """
 import io
-import multiprocessing
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import worlds
 from tests.cuda import remote
 from tests.cuda.conftest import CUDA, DEVICE
 
@@ -23,31 +22,14 @@ pytestmark = CUDA
 LIMIT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
+    out = worlds.CONTEXT.Queue()
+    port = worlds.free_port()
     folder = str(tmp_path_factory.mktemp("cuda_rpc"))
-    procs = [
-        ctx.Process(target=remote.run, args=(rank, port, str(DEVICE), out, folder), daemon=True)
-        for rank in range(len(remote.NAMES))
-    ]
-    for p in procs:
-        p.start()
-    try:
+    with worlds.spawned(*[(remote.run, (rank, port, str(DEVICE), out, folder))
+                          for rank in range(len(remote.NAMES))]):
         status, result = out.get(timeout=LIMIT_S)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     assert status == "ok", result
     return torch.load(io.BytesIO(result), weights_only=False)
 

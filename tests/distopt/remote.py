@@ -3,6 +3,7 @@
 Workers unpickle RPC targets, optimizer classes and process entry points by qualified name,
 so everything a test sends them lives here rather than in a test file.
 """
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -150,8 +151,8 @@ def dead_owner_trainer(port: int, rpc_timeout: float, results: Any, go: Any) -> 
             except Exception as exc:  # reported, so the test shows what went wrong
                 report[action] = {"error": f"unexpected {type(exc).__name__}: {exc}"}
             report[action]["seconds"] = time.monotonic() - start
-        # What the README advises after an owner died: graceful=False does not wait for
-        # the dead owner (graceful=True waits for every worker to agree, for minutes).
+        # What docs/guide/machines.md advises after an owner died: graceful=False does not
+        # wait for the dead owner (graceful=True waits for every worker to agree, for minutes).
         start = time.monotonic()
         rpc.shutdown(graceful=False)
         report["shutdown_seconds"] = time.monotonic() - start
@@ -429,3 +430,38 @@ class KeywordSGD(torch.optim.SGD):
     def __init__(self, params: Any, lr: float = 0.1, trace: bool = False) -> None:
         super().__init__(params, lr=lr)
         self.trace = trace
+
+
+# ---------------------------------------------------------------- profiling an owner
+
+#: The profiler running in this process: (its thread, the event that stops it, the names).
+_profile: Dict[str, Any] = {}
+
+
+def _profiling(started: Any, stop: Any, names: List[str]) -> None:
+    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=config) as prof:
+        started.set()
+        stop.wait()
+    names.extend(e.name for e in prof.events() if e.name.startswith("distopt."))
+
+
+def start_profile() -> None:
+    """Start ``torch.profiler`` in this process, seeing every thread (RPC handlers run on
+    the agent's threads), on a thread of its own: one RPC handler starts it, another
+    (``stop_profile``) stops it, and a profiler must start and stop on one thread."""
+    started, stop, names = threading.Event(), threading.Event(), []
+    thread = threading.Thread(target=_profiling, args=(started, stop, names),
+                              name="test-profiler", daemon=True)
+    thread.start()
+    started.wait()
+    _profile["running"] = (thread, stop, names)
+
+
+def stop_profile() -> List[str]:
+    """Stop ``start_profile``'s profiler; the names of the distopt ranges it recorded."""
+    thread, stop, names = _profile.pop("running")
+    stop.set()
+    thread.join()
+    return names

@@ -1,5 +1,4 @@
 """Bad input fails on the trainer before any RPC; owners' failures name the owner."""
-import multiprocessing
 import os
 import signal
 from typing import List
@@ -11,8 +10,8 @@ import torch.distributed.rpc as rpc
 
 from distopt import DistributedOptimizer, DistributedOptimizerError
 from functional import functional_optim_map
+from tests import worlds
 from tests.distopt import remote
-from tests.distopt.conftest import free_port
 
 
 def ones_on(*owners: str) -> List[rpc.RRef]:
@@ -155,32 +154,23 @@ def test_dead_owner_is_named_within_the_rpc_timeout(how, timeout_s):
     A killed owner closes its connections; a stopped one (SIGSTOP) keeps them open and
     answers nothing, so only the RPC timeout can end the wait.
     """
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    results, go = ctx.Queue(), ctx.Event()
-    owner = ctx.Process(target=remote.run_worker, args=(1, 2, port, timeout_s), daemon=True)
-    trainer = ctx.Process(
-        target=remote.dead_owner_trainer, args=(port, timeout_s, results, go), daemon=True
-    )
-    owner.start()
-    trainer.start()
-    try:
-        assert results.get(timeout=120) == "ready"
-        if how == "killed":
-            owner.kill()
-            owner.join()
-        else:
-            os.kill(owner.pid, signal.SIGSTOP)
-        go.set()
-        report = results.get(timeout=4 * timeout_s + 30)
-    finally:
-        for proc in (trainer, owner):
-            if proc is owner and how == "stopped":
-                proc.kill()
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    port = worlds.free_port()
+    results, go = worlds.CONTEXT.Queue(), worlds.CONTEXT.Event()
+    with worlds.spawned((remote.run_worker, (1, 2, port, timeout_s)),
+                        (remote.dead_owner_trainer, (port, timeout_s, results, go))
+                        ) as (owner, trainer):
+        try:
+            assert results.get(timeout=120) == "ready"
+            if how == "killed":
+                owner.kill()
+                owner.join()
+            else:
+                os.kill(owner.pid, signal.SIGSTOP)
+            go.set()
+            report = results.get(timeout=4 * timeout_s + 30)
+        finally:
+            if how == "stopped":
+                owner.kill()
     for action in ("step", "construction"):
         outcome = report[action]
         assert outcome.get("failures", {}).keys() == {"worker1"}, outcome

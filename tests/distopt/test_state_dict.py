@@ -9,6 +9,7 @@ import torch.distributed.rpc as rpc
 from distopt import DistributedOptimizer, state
 from functional import functional_optim_map
 from tests.distopt import harness
+from tests.state_hooks import hooks_seen
 
 # (class, defaults, options of group 0, options of group 1)
 CASES = [
@@ -252,3 +253,18 @@ def test_eager_owner_refuses_a_state_lacking_a_key(world, monkeypatch):
     harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
     harness.train(dist_opt, ref, rrefs, local, 1, first_step=2)
     harness.assert_params_equal(rrefs, local)
+
+
+def test_torch_state_dict_hooks_run_as_torch_optim_runs_them(world):
+    """torch.optim's four state-dict hooks, registered on a DistributedOptimizer, run in
+    torch's order around its own state_dict / load_state_dict, and what they return is
+    used: the same calls and the same result as on the local torch.optim optimizer."""
+    rrefs, local = harness.make_params()
+    dist_opt, ref = build(CASES[1], rrefs, local)
+    harness.train(dist_opt, ref, rrefs, local, 2)
+    got, expected = hooks_seen(dist_opt), hooks_seen(ref)
+    assert got[:3] == expected[:3] == (
+        ["pre", "post", "load_pre", "load_post"], "post", ["note", "param_groups", "state"]
+    )
+    assert got[3].startswith("Invalid add_param_group: a DistributedOptimizer's owners' "
+                             "optimizers are fixed at construction")

@@ -1,17 +1,18 @@
 """The native ops of flat buffers (functional/csrc/flat_ops.cpp) and the TorchScript path
 that replaces them where they cannot be built (DISTOPT_NATIVE=0)."""
+import math
 import os
-import subprocess
-import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
 
 from distopt import local_optimizer
-from functional import _flat, _native
+from functional import FLAT_CLASSES, _flat, _native, flatten_parameters
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .case import Case
+from .cases import ALL_CASES
+
 native_only = pytest.mark.skipif(
     not _native.AVAILABLE,
     reason="no native flat ops in this process (no C++ compiler or ninja, or DISTOPT_NATIVE=0)",
@@ -95,22 +96,148 @@ def test_lookup_is_by_identity_like_torchscripts_dict():
         assert found[1] is None and found[3] is None
 
 
-def test_the_torchscript_path_gives_the_same_results():
-    """The flat and owner tests again in processes without the native ops."""
-    env = dict(os.environ, DISTOPT_NATIVE="0")
-    tests = [
-        "tests/functional/test_native.py::test_the_native_ops_are_built_and_used",
-        "tests/functional/test_native.py::test_views_of_the_flat_gradient_buffer_as_gradients",
-        "tests/functional/test_flat.py",
-        "tests/distopt/test_flat.py",
-    ]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
-         "ignore::UserWarning", *tests, "-k", "not matches_torch_and_the_per_parameter or Adam-"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+# ---------------------------------------------------------------- the TorchScript path
+# What a process without the native ops (no compiler, or DISTOPT_NATIVE=0) runs instead:
+# ``_flat._fill_script`` and ``local_optimizer._lookup_script``, compiled into the optimizers
+# in place of the ops. Each is checked here against the op, eager and compiled, on every
+# kind of input the flat and owner tests give it.
+
+
+def _buffer(shapes, members=None) -> Any:
+    """A flat buffer of parameters of ``shapes`` (its gradient buffer -1: a write shows)."""
+    numels = [math.prod(s) for s in shapes]
+    offsets = [sum(numels[:k]) for k in range(len(shapes))]
+    param = torch.zeros(sum(numels))
+    views = [param[o:o + n].view(s) for o, n, s in zip(offsets, numels, shapes)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    with torch.no_grad():
+        for p, v in zip(params, views):
+            p.data = v
+    f = _flat.FlatBuffer(members or list(range(len(shapes))), params, views, offsets, param)
+    f.grad.fill_(-1.0)
+    return f
+
+
+def _grads_for(what: str, f: Any) -> List[Optional[torch.Tensor]]:
+    shapes = [tuple(v.shape) for v in f.views]
+    grads: List[Optional[torch.Tensor]] = [
+        torch.arange(1.0, 1.0 + math.prod(s)).view(s) * (k + 1) for k, s in enumerate(shapes)]
+    if what == "any layout":
+        grads = [torch.arange(4.0).view(2, 2).t(), torch.full((2, 2), 7.0),
+                 torch.arange(8.0)[::2].view(2, 2)]
+    elif what == "None":
+        grads[2] = None
+    elif what == "sparse":
+        grads[2] = torch.ones(2, 2).to_sparse()
+    elif what == "dtype":
+        grads[2] = torch.ones(2, 2, dtype=torch.float64)
+    elif what == "shape":
+        grads[2] = torch.ones(4)
+    elif what == "replaced storage":
+        f.params[2].data = torch.zeros(2, 2)
+    elif what == "members not consecutive":  # gradients of other parameters in between
+        grads = [grads[0], torch.full((9,), 5.0), grads[1], torch.full((9,), 6.0), grads[2]]
+    return grads
+
+
+#: What a fill meets: (shapes of the members, the gradients given, whether the fill takes
+#: them). 1-D members fill by one cat, others by _chunk_cat, with a 0-dim one by
+#: _foreach_copy_.
+FILLS = {
+    "1-D": ([(4,), (3,), (5,)], True),
+    "any layout": ([(2, 2)] * 3, True),
+    "2-D and 1-D": ([(2, 3), (4,), (3, 1)], True),
+    "0-dim member": ([(), (3,), (2, 2)], True),
+    "members not consecutive": ([(4,), (2, 2), (3,)], True),
+    "None": ([(2, 2)] * 3, False),
+    "sparse": ([(2, 2)] * 3, False),
+    "dtype": ([(2, 2)] * 3, False),
+    "shape": ([(2, 2)] * 3, False),
+    "replaced storage": ([(2, 2)] * 3, False),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_fill() -> Any:
+    return torch.jit.script(_flat._fill_script)
+
+
+@pytest.mark.parametrize("what", sorted(FILLS))
+def test_the_torchscript_fill_does_what_the_native_op_does(compiled_fill, what: str):
+    shapes, takes = FILLS[what]
+    members = [0, 2, 4] if what == "members not consecutive" else None
+    filled = {}
+    for path, fill in [("script", _flat._fill_script), ("compiled", compiled_fill)] + (
+            [("native", _flat._fill_native)] if _native.AVAILABLE else []):
+        f = _buffer(shapes, members)
+        grads = _grads_for(what, f)
+        assert fill(f, grads) is takes, path
+        filled[path] = f.grad.clone()
+        if takes:
+            expected = torch.cat([grads[i].reshape(-1) for i in f.members])
+            assert torch.equal(f.grad, expected), path
+        else:
+            assert torch.equal(f.grad, torch.full_like(f.grad, -1.0)), f"{path} wrote to the buffer"
+    for path, grad in filled.items():
+        assert torch.equal(grad, filled["script"]), path
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_torchscript_fill_refuses_views_of_its_own_buffer_as_torch_does(compiled_fill,
+                                                                          compiled: bool):
+    """Gradients that are views of the buffer being filled, swapped between members (the
+    native op copies them as given: ``test_views_of_the_flat_gradient_buffer_as_gradients``):
+    torch's aliasing error, and nothing written."""
+    f = _buffer([(4,), (4,), (4,)])
+    f.grad.copy_(torch.arange(12.0))
+    grads = [f.grad[8:12], f.grad[0:4], f.grad[4:8]]
+    with pytest.raises((RuntimeError, torch.jit.Error), match="single memory location"):
+        (compiled_fill if compiled else _flat._fill_script)(f, grads)
+    assert torch.equal(f.grad, torch.arange(12.0))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_torchscript_lookup_is_by_identity_as_the_native_op(compiled: bool):
+    params = [torch.zeros(3, requires_grad=True) for _ in range(3)]
+    grads = {params[0]: torch.ones(3), params[2]: torch.full((3,), 2.0)}
+    twin = torch.zeros(3, requires_grad=True)  # equal values, another tensor
+    lookup = local_optimizer._lookup_script
+    if compiled:
+        lookup = torch.jit.script(lookup)
+    found = lookup(grads, params + [twin])
+    assert found[0] is grads[params[0]] and found[2] is grads[params[2]]
+    assert found[1] is None and found[3] is None
+    if _native.AVAILABLE:
+        native = local_optimizer._lookup_native(grads, params + [twin])
+        assert all(g is n for g, n in zip(found, native))
+
+
+FLAT_CASES = [c for c in ALL_CASES if not c.sparse and c.functional_cls.__name__ in FLAT_CLASSES]
+
+
+@pytest.mark.parametrize("case", FLAT_CASES, ids=[c.id for c in FLAT_CASES])
+def test_flat_steps_through_the_torchscript_fill_equal_the_native_ones(case: Case, monkeypatch):
+    """An eager flat optimizer (which calls the fill by name at each step) stepped with the
+    TorchScript fill, then with the op: the same parameters, bit for bit, through a step
+    where a gradient is missing (the members then step one by one)."""
+    # Built (so compiled, with the fill this process chose) before the fill is swapped:
+    # TorchScript binds the name when it compiles.
+    case.functional_cls(case.make_params(), **case.kwargs_copy())
+    runs = {}
+    for path in ("native", "script") if _native.AVAILABLE else ("script",):
+        monkeypatch.setattr(_flat, "fill_flat_gradients", getattr(_flat, f"_fill_{path}"))
+        params = case.make_params()
+        opt = flatten_parameters(case.functional_cls(params, **case.kwargs_copy()))
+        assert opt.groups.flats, "nothing was flattened"
+        for step in range(4):
+            grads = case.make_gradients(step)
+            if step == 2:
+                grads[1] = None
+            opt.step(grads)
+        runs[path] = [p.detach().clone() for p in params]
+    for path, params in runs.items():
+        for p, q in zip(params, runs["script"]):
+            assert torch.equal(p, q), path
 
 
 @native_only

@@ -7,7 +7,6 @@ them: rank 0 on host 0 is the rendezvous, TensorPipe and gloo talk over ``eth0``
 """
 import os
 import signal
-import socket
 import sys
 import threading
 from typing import Callable, Dict, Iterator, List
@@ -67,13 +66,6 @@ def hosts(host_tools) -> Iterator[Callable[[int], netns.Hosts]]:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def free_port() -> int:
-    """A port to rendezvous on (each namespace has its own ports; this only avoids reuse)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def host_env(h: netns.Hosts, rank: int, world_size: int, port: int) -> Dict[str, str]:

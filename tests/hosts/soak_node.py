@@ -51,7 +51,8 @@ BARRIER_TIMEOUT_S = 300.0
 #: whole buffer, so a member whose size is not a multiple of the CPU's vector width (8
 #: floats with AVX2, 16 with AVX-512) has its last elements computed in the vector loop
 #: instead of the scalar tail, and shifts every member after it: 1 ulp from torch.optim
-#: (README, "Flat parameter buffers"). Even trainers take odd sizes with ``flat=False``.
+#: (docs/guide/functional.md, "Flat parameter buffers"). Even trainers take odd sizes with
+#: ``flat=False``.
 FLAT_SHAPES: List[Tuple[int, ...]] = [(16, 8), (64,), (4, 48)]
 ODD_SHAPES: List[Tuple[int, ...]] = [(7, 13), (33,), (5,)]
 

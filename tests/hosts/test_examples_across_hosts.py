@@ -10,17 +10,18 @@ import os
 import re
 from typing import List
 
-from tests.hosts import checkpoints, jobs
-from tests.hosts.conftest import PYTHON, RNN, RNN_ARGS, ROOT, free_port, host_env
+from tests import worlds
+from tests.hosts import checkpoints
+from tests.hosts.conftest import PYTHON, RNN, RNN_ARGS, ROOT, host_env
 
 PS = os.path.join(ROOT, "examples", "parameter_server.py")
 TIMEOUT_S = 240
 
 
-def run_across(h, argv: List[str], world: int) -> jobs.Job:
+def run_across(h, argv: List[str], world: int) -> worlds.Job:
     """``argv`` as rank r of a ``world``-process world on host r, talking over eth0."""
-    port = free_port()
-    job = jobs.Job()
+    port = worlds.free_port()
+    job = worlds.Job()
     for rank in range(world):
         job.start([PYTHON, *argv, "--interface", "eth0"], env=host_env(h, rank, world, port),
                   hosts=h, host=rank, cwd=ROOT)

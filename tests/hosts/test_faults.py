@@ -18,17 +18,17 @@ import signal
 
 import pytest
 
-from tests.hosts import jobs
-from tests.hosts.conftest import PYTHON, ROOT, free_port, host_env
+from tests import worlds
+from tests.hosts.conftest import PYTHON, ROOT, host_env
 
 SHARD = re.compile(r"shard-([0-9a-f]{16})-")
 RPC_TIMEOUT_S = 4.0
 START_TIMEOUT_S = 180
 
 
-def start_world(h, scenario: str, directory: str) -> jobs.Job:
-    port = free_port()
-    job = jobs.Job()
+def start_world(h, scenario: str, directory: str) -> worlds.Job:
+    port = worlds.free_port()
+    job = worlds.Job()
     for rank in range(3):
         env = host_env(h, rank, 3, port)
         env["FAULT_RPC_TIMEOUT"] = str(RPC_TIMEOUT_S)
@@ -37,7 +37,7 @@ def start_world(h, scenario: str, directory: str) -> jobs.Job:
     return job
 
 
-def report(job: jobs.Job, timeout: float) -> dict:
+def report(job: worlds.Job, timeout: float) -> dict:
     _, line = job.expect(r"^REPORT ", timeout)
     return json.loads(line[len("REPORT "):])
 

@@ -1,9 +1,11 @@
 """The test hosts themselves: isolated, rate-limited for real, and always torn down."""
 import json
+import os
 import subprocess
 
 import pytest
 
+from tests import worlds
 from tests.hosts import netns
 from tests.hosts.conftest import PYTHON, ROOT
 from tests.hosts.test_faults import report, start_world
@@ -61,13 +63,12 @@ def test_hosts_left_by_a_killed_run_are_removed_by_the_next(host_tools, tmp_path
     code = ("import json, sys; from tests.hosts import netns; h = netns.Hosts(2); "
             "print(json.dumps([h.namespaces, [*h.links, h.bridge]]), flush=True); "
             "sys.stdin.readline()")
-    proc = subprocess.Popen([PYTHON, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    job = worlds.Job()
+    job.start([PYTHON, "-c", code], env=dict(os.environ), cwd=ROOT, stdin=True)
     try:
-        names, links = json.loads(proc.stdout.readline())
+        names, links = json.loads(job.expect(r"^\[", timeout=60)[1])
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        job.kill(graceful=False)
     assert set(names) <= set(_netns_names())
     removed = netns.remove_stale()
     assert set(names) | {links[-1]} <= set(removed)  # the veth ends go with the namespaces

@@ -20,9 +20,10 @@ then refused with another ``--trainers`` or without ``--auto-resume``.
 import os
 from typing import List
 
-from tests.hosts import checkpoints, jobs
+from tests import worlds
+from tests.hosts import checkpoints
 from tests.hosts.conftest import (
-    EXAMPLE_TIMEOUT_S, PYTHON, RNN, RNN_ARGS, ROOT, free_port, local_env,
+    EXAMPLE_TIMEOUT_S, PYTHON, RNN, RNN_ARGS, ROOT, local_env,
 )
 from tests.examples.test_examples import _refused
 from tests.hosts.test_examples_across_hosts import PS
@@ -43,9 +44,9 @@ def example_args(tmp_path, interface: str) -> List[str]:
             "--loss-log", str(tmp_path / "losses"), "--interface", interface]
 
 
-def kill_owner_and_check(job: jobs.Job, marker: str, tmp_path, rnn_one_machine) -> None:
+def kill_owner_and_check(job: worlds.Job, marker: str, tmp_path, rnn_one_machine) -> None:
     job.expect(KILL_AFTER, TIMEOUT_S)
-    victims = jobs.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="2",
+    victims = worlds.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="2",
                                  TORCHELASTIC_RESTART_COUNT="0")
     assert len(victims) == 1, (victims, job.text())
     os.kill(victims[0], 9)
@@ -88,7 +89,7 @@ def assert_refused_where_it_cannot_be_continued(ckpt) -> None:
 
 def test_torchrun_on_one_host_resumes_exactly(rnn_one_machine, tmp_path):
     marker = f"one-host-{os.getpid()}"
-    job = jobs.Job()
+    job = worlds.Job()
     job.start(["torchrun", "--standalone", "--nproc-per-node", "3", "--max-restarts", "2",
                "--monitor-interval", "0.1", *example_args(tmp_path, "lo")],
               env=torchrun_env(marker), cwd=ROOT)
@@ -99,10 +100,10 @@ def test_torchrun_on_one_host_resumes_exactly(rnn_one_machine, tmp_path):
     assert_refused_where_it_cannot_be_continued(tmp_path / "ckpt")
 
 
-def torchrun_across(h, marker: str, argv: List[str]) -> jobs.Job:
+def torchrun_across(h, marker: str, argv: List[str]) -> worlds.Job:
     """One torchrun per host of ``h`` (c10d rendezvous on host 0), each running ``argv``."""
-    endpoint = f"{h.addresses[0]}:{free_port()}"
-    job = jobs.Job()
+    endpoint = f"{h.addresses[0]}:{worlds.free_port()}"
+    job = worlds.Job()
     n = len(h.namespaces)
     for i in range(n):
         # Namespaces share the machine's hostname, so torchrun cannot tell which host serves
@@ -130,7 +131,7 @@ PS_ARGS = ["--trainers", "1", "--steps", "60", "--log-every", "5", "--save-every
 
 def test_parameter_server_under_torchrun_across_two_hosts_resumes_exactly(hosts, tmp_path):
     straight = tmp_path / "straight"
-    job = jobs.Job()
+    job = worlds.Job()
     job.start([PYTHON, PS, *PS_ARGS, "--checkpoint", str(straight)], env=local_env(), cwd=ROOT)
     assert job.finish(EXAMPLE_TIMEOUT_S) == [0], job.text()
     assert "updates applied: 60 of 60 sent" in job.text()
@@ -139,7 +140,7 @@ def test_parameter_server_under_torchrun_across_two_hosts_resumes_exactly(hosts,
                                              "--auto-resume", "--interface", "eth0"])
     try:
         job.expect(r"^trainer1 step +25 ", TIMEOUT_S)
-        victims = jobs.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="0",
+        victims = worlds.pids_with_env(DISTOPT_TEST_JOB=marker, RANK="0",
                                      TORCHELASTIC_RESTART_COUNT="0")
         assert len(victims) == 1, (victims, job.text())
         os.kill(victims[0], 9)

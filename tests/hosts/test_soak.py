@@ -15,21 +15,19 @@ step). Asserted:
   (3,000 in all); every sample is printed (``-s``) and named in the failure.
 
 Every wait is bounded: a process that exits with an error fails the test at once, with its
-stderr; one still running at ``DEADLINE_S`` fails it too. Processes are killed and the hosts
+output; one still running at ``DEADLINE_S`` fails it too. Processes are killed and the hosts
 removed whatever happens.
 """
 import json
-import os
-import select
-import subprocess
 import time
-from typing import Dict, List
+from typing import List
 
 import pytest
 import torch
 
+from tests import worlds
 from tests.hosts import soak_node
-from tests.hosts.conftest import PYTHON, ROOT, free_port, host_env
+from tests.hosts.conftest import PYTHON, ROOT, host_env
 
 TRAINERS = 5
 #: Per trainer: 3,000 steps in all.
@@ -48,62 +46,41 @@ DEADLINE_S = 300.0
 RSS_GROWTH_BOUND = 2 * 2**20
 
 
-def _tail(path: str, chars: int = 4000) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-chars:]
-
-
-def _wait_all(procs: Dict[str, subprocess.Popen], logs: Dict[str, str], limit_s: float) -> None:
-    """Wait for every process to exit 0; fail at the first that does not, or at ``limit_s``."""
-    fds = {os.pidfd_open(p.pid): name for name, p in procs.items()}
-    deadline = time.monotonic() + limit_s
-    try:
-        while fds:
-            ready = select.select(list(fds), [], [], max(0.0, deadline - time.monotonic()))[0]
-            if not ready:
-                running = sorted(fds.values())
-                pytest.fail(f"still running after {limit_s} s: {running}\n" + "\n".join(
-                    f"--- {name} stderr:\n{_tail(logs[name])}" for name in running))
-            for fd in ready:
-                name = fds.pop(fd)
-                os.close(fd)
-                code = procs[name].wait(timeout=10)
-                if code != 0:
-                    pytest.fail(f"{name} exited with {code}; its stderr:\n{_tail(logs[name])}")
-    finally:
-        for fd in fds:
-            os.close(fd)
+def _report(text: str) -> dict:
+    """A trainer's report: the last line of its output that is a JSON object."""
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
 def test_soak_five_trainers_two_owners(hosts, tmp_path):
     """Five trainer processes x 600 steps over two owners, each on its own host: no lost
     update, Adam bit-identical to torch.optim, owners' RSS flat after the first 1,000."""
     h = hosts(WORLD_SIZE)
-    port = free_port()
+    port = worlds.free_port()
     names = soak_node.OWNERS + [f"trainer{k}" for k in range(1, TRAINERS + 1)]
-    procs: Dict[str, subprocess.Popen] = {}
-    logs = {name: str(tmp_path / f"{name}.err") for name in names}
+    job = worlds.Job()
     start = time.monotonic()
     try:
         for rank, name in enumerate(names):
-            with open(tmp_path / f"{name}.out", "w") as out, open(logs[name], "w") as err:
-                procs[name] = h.popen(
-                    rank, [PYTHON, "-m", "tests.hosts.soak_node", str(tmp_path), str(STEPS),
-                            str(SAMPLE_EVERY)],
-                    env=host_env(h, rank, WORLD_SIZE, port), stdout=out, stderr=err, cwd=ROOT,
-                )
-        _wait_all(procs, logs, DEADLINE_S)
+            job.start([PYTHON, "-m", "tests.hosts.soak_node", str(tmp_path), str(STEPS),
+                       str(SAMPLE_EVERY)], env=host_env(h, rank, WORLD_SIZE, port), hosts=h,
+                      host=rank, cwd=ROOT)
+        # every process exits 0: the first that does not, or one still running at the
+        # deadline, fails the test with what it printed
+        codes = job.wait(DEADLINE_S, stop_at_failure=True)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        job.kill()
+    failed = [k for k, code in enumerate(codes) if code not in (0, None)]
+    if failed:
+        k = failed[0]
+        pytest.fail(f"{names[k]} exited with {codes[k]}; its output:\n{job.text(k)[-4000:]}")
+    running = [names[k] for k, code in enumerate(codes) if code is None]
+    if running:
+        pytest.fail(f"still running after {DEADLINE_S} s: {running}\n" + "\n".join(
+            f"--- {names[k]}:\n{job.text(k)[-4000:]}" for k, code in enumerate(codes)
+            if code is None))
     seconds = time.monotonic() - start
 
-    reports: List[dict] = []
-    for k in range(1, TRAINERS + 1):
-        with open(tmp_path / f"trainer{k}.out") as f:
-            reports.append(json.loads(f.read().strip().splitlines()[-1]))
+    reports: List[dict] = [_report(job.text(k)) for k in range(len(soak_node.OWNERS), len(names))]
     for report in reports:
         print(f"soak: {json.dumps(report)}")
     print(f"soak: {TRAINERS} trainers x {STEPS} steps in {seconds:.1f} s (processes included)")

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distopt.parallel import PowerSGD, TopK
 from distopt.parallel import optimizer as dp_optimizer
 from distopt.parallel.reducer import GradientReducer
+from tests.state_hooks import hooks_seen
 
 LAYERS = 6
 WIDTH = 48
@@ -149,6 +150,13 @@ def parity(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
+def _train(model: torch.nn.Module, opt: Any, part: List[Any]) -> None:
+    for x, y in part:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def _eager_class(cls: type) -> type:
     """A subclass of ``cls`` with no functional twin: it steps eagerly."""
     return type(f"Eager{cls.__name__}", (cls,), {})
@@ -233,19 +241,13 @@ def powersgd_resume(rank: int, world_size: int) -> Dict[str, Any]:
             torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9, bucket_cap_mb=CAP_MB,
             compression=PowerSGD(rank=2, start_iter=2, min_compression_rate=0.5))
 
-    def train(model, opt, part):
-        for x, y in part:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-
     model = _model()
     opt = make(model)
-    train(model, opt, batches[:4])
+    _train(model, opt, batches[:4])
     saved = copy.deepcopy(opt.state_dict())
     saved_params = [p.detach().clone() for p in model.parameters()]
     layout = opt.bucket_layout()
-    train(model, opt, batches[4:])
+    _train(model, opt, batches[4:])
     straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     opt.close()
 
@@ -257,7 +259,7 @@ def powersgd_resume(rank: int, world_size: int) -> Dict[str, Any]:
     before = resumed.bucket_layout()
     resumed.load_state_dict(saved)
     after = resumed.bucket_layout()
-    train(resumed_model, resumed, batches[4:])
+    _train(resumed_model, resumed, batches[4:])
     again = torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()])
     final_layout = resumed.bucket_layout()
     resumed.close()
@@ -297,9 +299,134 @@ def joined_first(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
-def everything(rank: int, world_size: int) -> Dict[str, Any]:
+class _WithNorm(Reversed):
+    """``Reversed`` with a BatchNorm after the head's input: buffers to broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return self.head(self.norm(x))
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in
+                      list(model.parameters()) + list(model.buffers())
+                      if t.is_floating_point()])
+
+
+def habits(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+    """Across the rebuild, against DDP + torch.optim after every step: a GradScaler whose
+    first step overflows (skipped) and later ones do not; ``module=`` with BatchNorm
+    buffers; and a sharded checkpoint saved after the rebuild, loaded by a new optimizer
+    (its buckets as built) before its first step, going on as the uninterrupted run."""
+    batches = _batches(rank, 4)
+    out: Dict[str, Any] = {}
+
+    # GradScaler: the first step overflows (inf scale), the next ones step.
+    def scaled(make_opt, wrap):
+        torch.manual_seed(0)
+        model = Reversed()
+        net, opt = wrap(model), make_opt(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+        seen = []
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            if step == 0:
+                loss = loss * float("inf")  # inf gradients: the scaler skips this step
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            seen.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                         float(scaler.get_scale())))
+        return seen, opt
+
+    ddp, _ = scaled(lambda m: torch.optim.Adam(m.parameters(), lr=0.01, fused=True),
+                    lambda m: DistributedDataParallel(m, bucket_cap_mb=CAP_MB))
+    mine, opt = scaled(lambda m: dp_optimizer.DataParallelOptimizer(
+        torch.optim.Adam, m.parameters(), lr=0.01, fused=True, bucket_cap_mb=CAP_MB),
+        lambda m: m)
+    out["scaler"] = {"exact": [torch.equal(a[0], b[0]) and a[1] == b[1]
+                               for a, b in zip(ddp, mine)],
+                     "scales": [s for _, s in mine], "rebuilt": opt.bucket_layout()[0] != [13, 12, 11, 10, 9]}
+    opt.close()
+
+    # module=: BatchNorm statistics broadcast as DDP's broadcast_buffers.
+    def buffered(use_ddp):
+        torch.manual_seed(0)
+        model = _WithNorm()
+        with torch.no_grad():  # ranks start with other statistics: the broadcast shows
+            model.norm.running_mean.fill_(float(rank))
+        if use_ddp:
+            net = DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            net = model
+            opt = dp_optimizer.DataParallelOptimizer(
+                torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9,
+                bucket_cap_mb=CAP_MB, module=model)
+        seen = []
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            seen.append(_flat(model))
+        if not use_ddp:
+            opt.close()
+        return seen
+
+    out["module"] = [torch.equal(a, b) for a, b in zip(buffered(True), buffered(False))]
+
+    # A sharded checkpoint across the rebuild.
+    def make(model):
+        return dp_optimizer.DataParallelOptimizer(
+            torch.optim.AdamW, model.parameters(), lr=0.01, fused=True, shard="flat",
+            bucket_cap_mb=CAP_MB)
+
+    model = _model()
+    opt = make(model)
+    _train(model, opt, batches[:2])
+    opt.save(path)
+    saved = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, batches[2:])
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    opt.close()
+    model = _model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), saved):
+            p.copy_(v)
+    resumed = make(model)
+    built = resumed.bucket_layout()
+    resumed.load(path)
+    _train(model, resumed, batches[2:])
+    out["checkpoint"] = {
+        "equal": torch.equal(straight, torch.cat([p.detach().reshape(-1)
+                                                  for p in model.parameters()])),
+        "rebuilt_after_load": resumed.bucket_layout() != built,
+    }
+    resumed.close()
+    return out
+
+
+def everything(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     """The module's one world: every scenario above, in turn."""
     out = parity(rank, world_size)
     out["powersgd"] = powersgd_resume(rank, world_size)
     out["joined"] = joined_first(rank, world_size)
+    out["habits"] = habits(rank, world_size, path)
+    from distopt import local_optimizer
+
+    model = _model()
+    live = len(local_optimizer.live_by_id)
+    opt = dp_optimizer.DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=0.01)
+    # Its compiled steps are its own: nothing in the RPC owners' registry.
+    out["registered"] = len(local_optimizer.live_by_id) - live
+    torch.nn.functional.mse_loss(model(torch.ones(2, WIDTH)), torch.zeros(2, 1)).backward()
+    opt.step()
+    out["state_dict_hooks"] = hooks_seen(opt)
+    opt.close()
     return out

@@ -27,11 +27,14 @@ import argparse
 import concurrent.futures
 import itertools
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a script: tests.worlds from this checkout
+    sys.path.insert(0, ROOT)
+from tests.worlds import Job, free_port  # noqa: E402
 
 KINDS = ("plain", "powersgd", "hook", "hook-powersgd")
 ENDINGS = ("clean", "raise", "destroy")
@@ -85,12 +88,6 @@ def _child(kind: str, ending: str) -> None:
 # ---------------------------------------------------------------- one run
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_once(scenario: str, limit_s: float = RUN_LIMIT_S) -> Tuple[bool, bool, List[str]]:
     """One run of ``scenario`` (``kind:ending``) on 2 ranks.
 
@@ -99,40 +96,32 @@ def run_once(scenario: str, limit_s: float = RUN_LIMIT_S) -> Tuple[bool, bool, L
         ended otherwise than expected in any way, abort included; one line per such rank).
     """
     kind, ending = scenario.split(":")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    port = _free_port()
-    procs = []
+    port = free_port()
+    job = Job()
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    RANK=str(rank), WORLD_SIZE="2", CUDA_VISIBLE_DEVICES="",
                    OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", kind, ending],
-            env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        ))
-    deadline = time.monotonic() + limit_s
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        job.start([sys.executable, os.path.abspath(__file__), "--child", kind, ending],
+                  env=env, cwd=ROOT)
+    codes = job.wait(limit_s)
     aborted, problems = False, []
     expected = 1 if ending == "raise" else 0
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    for rank, code in enumerate(codes):
+        if code is None:
             aborted = True
             problems.append(f"{scenario} rank {rank}: no exit in {limit_s:.0f} s")
             continue
-        text = err.decode(errors="replace")
+        text = job.text(rank)
         lines = text.strip().splitlines()
         said = ([line for line in lines if "Error" in line or "terminate" in line] or lines
                 or [""])[-1].strip()
-        if proc.returncode < 0 or proc.returncode == 134 or "terminate called" in text:
+        if code < 0 or code == 134 or "terminate called" in text:
             aborted = True
-            problems.append(f"{scenario} rank {rank}: aborted, exit status "
-                            f"{proc.returncode}: {said}")
-        elif proc.returncode != expected:
-            problems.append(f"{scenario} rank {rank}: exit status {proc.returncode} "
+            problems.append(f"{scenario} rank {rank}: aborted, exit status {code}: {said}")
+        elif code != expected:
+            problems.append(f"{scenario} rank {rank}: exit status {code} "
                             f"(expected {expected}): {said}")
         elif ending == "raise" and not (
             "Traceback (most recent call last)" in text and f"RuntimeError: {MESSAGE}" in text

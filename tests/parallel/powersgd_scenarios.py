@@ -1,10 +1,12 @@
 """Rank-side scenarios of ``test_powersgd`` (module-level, so that spawn can find them).
 
-Each takes ``(rank, world_size, ...)``, runs inside a gloo group (``tests.parallel.world``)
+Each takes ``(rank, world_size, ...)``, runs inside a gloo group (``tests.worlds``)
 and returns plain data for the test to assert on.
 """
 import io
 import os
+import threading
+import weakref
 from typing import Any, Dict, List
 
 import torch
@@ -122,9 +124,18 @@ THREE_BUCKETS_MB = 1200 / 2**20
 
 
 def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, Any]:
-    """``runs`` fresh trainings of ``steps`` steps, in three buckets."""
+    """``runs`` fresh trainings of ``steps`` steps, in three buckets; and the thread on
+    which each run's private group was freed (``destroyed_on``: "main", or the other thread's
+    name; "alive" for one still referenced once every retired group was released)."""
     out: Dict[str, Any] = {"params": [], "buckets": [], "iter": [], "compressed": [],
                            "retired_while_held": [], "retired": []}
+    # Whichever thread drops a group's last reference frees it (its Python object, then the
+    # C++ group, whose destructor joins the gloo workers): the finalizer runs right there.
+    destroyed_on: List[str] = []
+
+    def freed_here() -> None:
+        thread = threading.current_thread()
+        destroyed_on.append("main" if thread is threading.main_thread() else thread.name)
     for run in range(runs):
         model = make_model(seed=run, width=16)
         opt = DataParallelOptimizer(
@@ -142,6 +153,7 @@ def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, An
         out["iter"].append(state.iter)
         out["compressed"].append(sorted(state.p_memory_dict))
         comm = opt._comm_group
+        weakref.finalize(comm, freed_here)
         opt.close()
         # destroyed, but still held by the codec's PowerSGD state: kept, not dropped
         out["retired_while_held"].append(any(g is comm for g in _torch._RETIRED))
@@ -150,6 +162,10 @@ def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, An
     # A group something else holds (as a pending callback's closure would) is kept until
     # released, then dropped by the next sweep on this thread.
     group = _torch.private_group()
+    # Both ranks connected before either tears it down (destroying a group the other rank
+    # is still connecting to fails that rank's new_group: "Connection closed by peer", 1 in
+    # 100 runs of this world); every group an optimizer makes carries collectives first.
+    dist.barrier(group=group)
     held, kept = [group], id(group)
     _torch.destroy_private_group(group)
     del group
@@ -157,6 +173,9 @@ def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, An
     held.clear()
     _torch._drop_retired()
     out["dropped_after_release"] = all(id(g) != kept for g in _torch._RETIRED)
+    # What the exit does (distopt.parallel.teardown): release what is left, here.
+    out["released"] = _torch.release_retired_groups(10.0)
+    out["destroyed_on"] = destroyed_on + ["alive"] * (runs - len(destroyed_on))
     return out
 
 

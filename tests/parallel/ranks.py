@@ -1,7 +1,7 @@
 """What each rank runs in the tests (module-level functions, so that spawn can find them).
 
 Every function here takes ``(rank, world_size, ...)``, runs inside an initialized gloo group
-(``tests.parallel.world``) and returns plain data for the test to assert on. References are
+(``tests.worlds``) and returns plain data for the test to assert on. References are
 computed on rank 0 from the same seeds: the whole batch in one process with torch.optim,
 and, for exactness, one process averaging the ranks' gradients itself.
 """

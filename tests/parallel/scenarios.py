@@ -1,9 +1,12 @@
 """Rank-side scenarios for the feature tests (bytes, compression, accumulation, failures,
 state, clipping, RoundRobin, checkpoints, subgroups). Each returns plain data; see
 ``tests.parallel.ranks`` for the shared model and data."""
+import contextlib
+import json
 import os
+import shutil
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,7 @@ import torch.distributed as dist
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, Threshold, TopK
 from distopt.parallel import compression as compression_module
 from distopt.parallel.sync import partition
+from tests.parallel import traces
 from tests.same import identical
 from tests.parallel.ranks import (
     COMPLEX_CASES,
@@ -501,17 +505,68 @@ def dies(rank: int, world_size: int) -> Dict[str, Any]:
 # ---------------------------------------------------------------- bad arguments
 
 
+#: The methods of a process group that issue a collective or point-to-point operation: what
+#: every torch.distributed function calls (all_gather -> allgather, all_gather_object ->
+#: allgather, all_gather_into_tensor -> _allgather_base or all_gather_single, ...), however
+#: the library spells it. Those the installed torch lacks are left out.
+ISSUING = tuple(n for n in (
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "_allgather_base", "all_gather_single",
+    "all_gather_single_coalesced", "broadcast", "reduce", "reduce_scatter",
+    "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced", "gather", "scatter", "alltoall", "alltoall_base",
+    "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+) if hasattr(dist.ProcessGroup, n))
+
+
+@contextlib.contextmanager
+def collectives_issued(issued: List[str]) -> Iterator[None]:
+    """Inside, each collective any process group issues is appended to ``issued`` by its
+    method's name, and each group made (``new_group`` needs every rank) as "new_group";
+    the originals are back on leaving."""
+    # What each name is bound to as stored (a pybind method's own descriptor, which passes
+    # ``self``; ``getattr`` on the class gives the bare function, which would not).
+    patched = [(owner, name, owner.__dict__.get(name, _ABSENT), getattr(owner, name))
+               for owner, names in ((dist.ProcessGroup, ISSUING), (dist, ("new_group",)))
+               for name in names]
+
+    def counting(real: Any, name: str) -> Any:
+        def issue(*args: Any, **kwargs: Any) -> Any:
+            issued.append(name)
+            return real(*args, **kwargs)
+        return issue
+
+    try:
+        for owner, name, _, real in patched:
+            setattr(owner, name, counting(real, name))
+        yield
+    finally:
+        for owner, name, stored, _ in patched:
+            if stored is _ABSENT:  # inherited: the class's own entry goes
+                delattr(owner, name)
+            else:
+                setattr(owner, name, stored)
+
+
+_ABSENT = object()
+
+
 def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
-    """Each bad argument's exception, and the collectives issued while raising it (none)."""
-    issued = []
-    for name in ("broadcast", "all_reduce", "all_gather_into_tensor", "broadcast_object_list"):
-        real = getattr(dist, name)
+    """Each bad argument's exception, and the collectives issued while raising it (none:
+    counted where every one passes, at the process groups' methods, and by the default
+    group's own count of the collectives it ran)."""
+    issued: List[str] = []
+    with collectives_issued(issued):
+        return _bad_arguments(rank, world_size, issued)
 
-        def counting(*args, _real=real, _name=name, **kwargs):
-            issued.append(_name)
-            return _real(*args, **kwargs)
 
-        setattr(dist, name, counting)
+def _ran(group: Any) -> int:
+    """How many collectives ``group`` has run (gloo numbers each one)."""
+    return group._get_sequence_number_for_group()
+
+
+def _bad_arguments(rank: int, world_size: int, issued: List[str]) -> Dict[str, str]:
+    world = dist.group.WORLD
     model = make_model()
     params = list(model.parameters())
     pair = dist.new_group([0, 1]) if world_size > 2 else None
@@ -566,15 +621,15 @@ def bad_arguments(rank: int, world_size: int) -> Dict[str, str]:
     for name, make in cases.items():
         if name == "not_member" and (pair is None or rank < 2):
             continue
-        before = len(issued)
+        before, ran = len(issued), _ran(world)
         try:
             make()
         except (TypeError, ValueError) as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
         else:
             out[name] = "no error"
-        if len(issued) != before:
-            out[name] += f" (issued {issued[before:]})"
+        if len(issued) != before or _ran(world) != ran:
+            out[name] += f" (issued {issued[before:]}, {_ran(world) - ran} on the default group)"
     # A sparse gradient with compression: ValueError from backward, before any collective.
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = DataParallelOptimizer(torch.optim.SGD, emb.parameters(), lr=0.1, compression=TopK(0.5))
@@ -678,6 +733,8 @@ def integration(rank: int, world_size: int) -> Dict[str, Any]:
         loss_of(model, xs, ys).backward()
     except ValueError as exc:
         out["fixed_key"] = str(exc)
+    # 3. What a user's torch.profiler trace shows of the steps (tests.parallel.traces).
+    out["traces"] = traces.profiled(rank, world_size)
     return out
 
 
@@ -815,6 +872,19 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     state = next(n for n in out["files_after_second_save"] if "-state-" in n)
     residuals = next(n for n in out["files_after_second_save"] if n.endswith("residuals-rank1.pt"))
     before = resumed.state_dict()
+    # Copies of the checkpoint whose manifest names a file outside it: refused on every
+    # rank, naming the file, before anything changes (the files themselves are truthful).
+    dist.barrier()
+    copies = {case: plant_outside(path, case) if rank == 0 else f"{path}-{case}/ckpt"
+              for case in PLANTED}
+    dist.barrier()
+    out["planted"] = {}
+    for case, copy in copies.items():
+        try:
+            resumed.load(copy)
+            out["planted"][case] = "loaded"
+        except ValueError as exc:
+            out["planted"][case] = str(exc)
     dist.barrier()
     if rank == 0:
         with open(os.path.join(path, state), "r+b") as f:
@@ -849,6 +919,46 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     except ValueError as exc:
         out["corrupt"] = str(exc)
     return out
+
+
+#: The file-name corruptions ``plant_outside`` makes.
+PLANTED = ("..", "absolute", "symlink")
+
+
+def plant_outside(path: str, case: str) -> str:
+    """Copy the checkpoint in ``path`` to ``<path>-<case>/ckpt`` and make its manifest name a
+    file outside the copy, with a truthful size and CRC-32; return the copy.
+
+    ``..``: a generation ``/../../x``, which builds ``dp-/../../x-state-rank0.pt`` (a ``dp-``
+    folder in the copy makes that path lead to ``<path>-<case>/x-state-rank0.pt``);
+    ``absolute``: the state file's entry under an absolute name beside it;
+    ``symlink``: the state file a symlink to a copy outside.
+    """
+    base = f"{path}-{case}"
+    copy = os.path.join(base, "ckpt")
+    shutil.copytree(path, copy)
+    where = os.path.join(copy, "manifest.json")
+    with open(where) as f:
+        manifest = json.load(f)
+    generation = manifest["generation"]
+    state = next(n for n in manifest["files"] if "-state-" in n)
+    if case == "..":
+        os.mkdir(os.path.join(copy, "dp-"))
+        files = {}
+        for name, record in manifest["files"].items():
+            rest = name[len(f"dp-{generation}-"):]
+            os.rename(os.path.join(copy, name), os.path.join(base, f"x-{rest}"))
+            files[f"dp-/../../x-{rest}"] = record
+        manifest["generation"], manifest["files"] = "/../../x", files
+    elif case == "absolute":
+        shutil.copy(os.path.join(copy, state), os.path.join(base, "y.pt"))
+        manifest["files"][os.path.join(base, "y.pt")] = dict(manifest["files"][state])
+    else:
+        os.rename(os.path.join(copy, state), os.path.join(base, state))
+        os.symlink(os.path.join(base, state), os.path.join(copy, state))
+    with open(where, "w") as f:
+        json.dump(manifest, f)
+    return copy
 
 
 # ---------------------------------------------------------------- subgroups

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from tests.parallel import arrival_scenarios as scenarios
-from tests.parallel.world import run_world
 
 CONFIGS = ["sgd-overlap", "sgd", "adamw-overlap", "adamw-flat", "adam-param",
            "rprop-eager-param", "adagrad-accumulate"]
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(scenarios.everything, 2)
+def world(worlds, tmp_path_factory):
+    return worlds.run(scenarios.everything, 2, str(tmp_path_factory.mktemp("arrival")))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -69,3 +68,30 @@ def test_powersgd_state_resumes_with_the_layout_it_was_saved_with(world):
 
 def test_a_rank_joined_from_the_start_keeps_every_rank_s_buckets(world):
     assert world[0]["joined"] == world[1]["joined"] == {"kept": True, "equal": True}
+
+
+def test_grad_scaler_across_the_rebuild_steps_as_under_ddp(world):
+    for rank in (0, 1):
+        got = world[rank]["habits"]["scaler"]
+        assert got["rebuilt"]
+        assert got["scales"][:2] == [512.0, 1024.0]  # skipped, then grown: steps
+        assert got["exact"] == [True] * 4
+
+
+def test_buffers_across_the_rebuild_equal_ddp_s(world):
+    assert world[0]["habits"]["module"] == world[1]["habits"]["module"] == [True] * 4
+
+
+def test_a_sharded_checkpoint_saved_after_the_rebuild_resumes_exactly(world):
+    for rank in (0, 1):
+        assert world[rank]["habits"]["checkpoint"] == {"equal": True, "rebuilt_after_load": True}
+
+
+def test_torch_s_state_dict_hooks_run_around_state_dict_and_load(world):
+    for rank in (0, 1):
+        assert world[rank]["registered"] == 0  # not an RPC owner's local optimizer
+        calls, note, keys, refusal = world[rank]["state_dict_hooks"]
+        assert calls == ["pre", "post", "load_pre", "load_post"]
+        assert note == "post" and keys == ["note", "param_groups", "state"]
+        assert refusal.startswith("Invalid add_param_group: a DataParallelOptimizer's buckets "
+                                  "are fixed at construction")

@@ -16,7 +16,6 @@ import threading
 import pytest
 
 from tests.parallel import exit_stress
-from tests.parallel.world import run_world
 
 #: Each optimizer ending cleanly and raising, and the endings likeliest to abort on the old
 #: code (after destroy_process_group: 20 in 34); 2 runs at a time (about 20 s on 2 cores).
@@ -85,8 +84,8 @@ def _groups_released(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_the_exit_handler_closes_everything_and_stops_the_groups_threads():
-    for result in run_world(_groups_released, 2):
+def test_the_exit_handler_closes_everything_and_stops_the_groups_threads(worlds):
+    for result in worlds.run(_groups_released, 2):
         assert result["closed"] == (True, True)
         assert len(result["distopt_threads_before"]) >= 3  # 2 of opt, 1 of the hook
         assert result["distopt_threads_after"] == []

@@ -4,16 +4,15 @@ Bytes are measured as the change of ``wchar`` in /proc/self/io over one training
 compared with each scheme's model (payload only: gloo's headers, about 580 bytes per
 collective, stay under 1% at these sizes).
 """
-import multiprocessing
 import time
 
 import pytest
 import torch
 
-from tests.parallel import ddp_buffers_join, scaler_scenarios, scenarios
+from tests.parallel import ddp_buffers_join, scaler_scenarios, scenarios, traces
 from tests.parallel.ranks import ComplexModel, flat_params
-from tests.parallel.world import run_world
 from tests.same import assert_identical, identical
+from tests.worlds import CONTEXT, run_world
 
 
 def _close(a, b, tol=1e-5):
@@ -24,8 +23,8 @@ def _close(a, b, tol=1e-5):
 
 
 @pytest.fixture(scope="module")
-def sent_bytes():
-    return run_world(scenarios.bytes_per_step, 2)
+def sent_bytes(worlds):
+    return worlds.run(scenarios.bytes_per_step, 2)
 
 
 @pytest.mark.parametrize(
@@ -56,21 +55,21 @@ def test_compressed_steps_send_less(sent_bytes):
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("scheme", ["topk", "threshold"])
-def test_error_feedback_keeps_everything_not_sent(scheme, overlap):
-    for result in run_world(scenarios.error_feedback, 2, scheme, overlap):
+def test_error_feedback_keeps_everything_not_sent(worlds, scheme, overlap):
+    for result in worlds.run(scenarios.error_feedback, 2, scheme, overlap):
         assert result["worst"] <= 1e-6 * result["scale"]
         assert result["residual_norm"] > 0  # something was held back
         assert len(set(result["counts"])) >= (2 if scheme == "threshold" else 1)
 
 
-def test_topk_one_percent_reaches_the_dense_loss():
-    result = run_world(scenarios.topk_convergence, 2, 800)[0]
+def test_topk_one_percent_reaches_the_dense_loss(worlds):
+    result = worlds.run(scenarios.topk_convergence, 2, 800)[0]
     assert result["topk"] <= 1.05 * result["dense"], result
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_cast_divides_before_the_reduction(dtype):
-    results = run_world(scenarios.cast_exact, 2, dtype)
+def test_cast_divides_before_the_reduction(worlds, dtype):
+    results = worlds.run(scenarios.cast_exact, 2, dtype)
     wire = getattr(torch, dtype)
     for k in range(len(results[0]["local"])):
         expected = sum((r["local"][k] / 2).to(wire) for r in results).float()
@@ -83,8 +82,8 @@ def test_cast_divides_before_the_reduction(dtype):
 
 
 @pytest.fixture(scope="module")
-def accumulated():
-    return run_world(scenarios.accumulation, 2)
+def accumulated(worlds):
+    return worlds.run(scenarios.accumulation, 2)
 
 
 @pytest.mark.parametrize("name", ["passes", "no_sync", "short"])
@@ -97,14 +96,14 @@ def test_no_sync_equals_backward_passes_per_step(accumulated):
     assert torch.equal(accumulated[0]["passes"], accumulated[0]["no_sync"])
 
 
-def test_a_pass_after_the_reduction_raises():
-    for message in run_world(scenarios.extra_pass, 2):
+def test_a_pass_after_the_reduction_raises(worlds):
+    for message in worlds.run(scenarios.extra_pass, 2):
         assert "backward_passes_per_step" in message and "no_sync" in message
 
 
 @pytest.fixture(scope="module")
-def ddp_semantics():
-    return run_world(scenarios.ddp_semantics, 2)
+def ddp_semantics(worlds):
+    return worlds.run(scenarios.ddp_semantics, 2)
 
 
 def test_unused_parameters_are_left_alone(ddp_semantics):
@@ -342,7 +341,7 @@ def test_uneven_inputs_without_join_say_so(ddp_semantics):
 
 
 def test_a_rank_raising_in_backward_fails_the_others_not_hangs():
-    done = multiprocessing.get_context("spawn").Event()
+    done = CONTEXT.Event()
     results = run_world(scenarios.raise_in_backward, 2, done, timeout_s=5.0)
     assert "injected failure" in results[1]["error"]
     assert "rank 0 of 2" in results[0]["error"] and "bucket" in results[0]["error"]
@@ -411,8 +410,8 @@ EXPECTED_ERRORS = {
 
 
 @pytest.fixture(scope="module")
-def bad():
-    return run_world(scenarios.bad_arguments, 3)
+def bad(worlds):
+    return worlds.run(scenarios.bad_arguments, 4)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
@@ -434,8 +433,8 @@ def test_a_group_this_rank_is_not_in_is_refused(bad):
 
 
 @pytest.fixture(scope="module")
-def integrated():
-    return run_world(scenarios.integration, 2)
+def integrated(worlds):
+    return worlds.run(scenarios.integration, 2)
 
 
 def test_lr_and_hyperparameter_schedulers_and_hooks(integrated):
@@ -459,8 +458,81 @@ def test_bad_state_dict_changes_nothing(integrated):
     assert "amsgrad" in first["fixed_key"]
 
 
-def test_clip_grad_norm_on_the_averaged_gradients():
-    results = run_world(scenarios.clipping, 2)
+# ---------------------------------------------------------------- profiler ranges
+
+
+def _threads_of(ranges, name):
+    return {thread for n, thread, _, _ in ranges if n == name}
+
+
+def _main_thread(ranges):
+    (main,) = _threads_of(ranges, "test.backward")
+    return main
+
+
+@pytest.mark.parametrize("config", sorted(traces.CONFIGS))
+def test_a_profiler_trace_names_each_buckets_reduction_step_and_gather(integrated, config):
+    sharded = "shard" in traces.CONFIGS[config]
+    for result in integrated:
+        run = result["traces"][config]
+        assert run["buckets"] == traces.LAYERS  # one bucket per layer
+        names = [name for name, _, _, _ in run["ranges"]]
+        per_bucket = ["distopt.dp.reduce", "distopt.dp.reduce.wait", "distopt.dp.step"]
+        gathers = ["distopt.dp.gather", "distopt.dp.gather.wait"]
+        for k in range(run["buckets"]):
+            for what in per_bucket + gathers:
+                wanted = traces.STEPS if what in per_bucket or sharded else 0
+                assert names.count(f"{what}[bucket {k}]") == wanted, (config, what, k)
+        assert names.count("distopt.DataParallelOptimizer.step") == traces.STEPS
+
+
+def test_a_profiler_trace_shows_the_work_on_distopts_threads(integrated):
+    for result in integrated:
+        for config, run in result["traces"].items():
+            ranges = run["ranges"]
+            main = _main_thread(ranges)
+            (comm,) = _threads_of(ranges, "distopt.dp.reduce[bucket 0]")
+            (finish,) = _threads_of(ranges, "distopt.dp.reduce.wait[bucket 0]")
+            assert len({main, comm, finish}) == 3, config
+            overlap = traces.CONFIGS[config]["overlap"]
+            # Stepped on the finishing thread during backward, else in step().
+            assert _threads_of(ranges, "distopt.dp.step[bucket 0]") == {
+                finish if overlap else main}, config
+            if "shard" in traces.CONFIGS[config]:
+                assert _threads_of(ranges, "distopt.dp.gather[bucket 0]") == {
+                    comm if overlap else main}, config
+                assert _threads_of(ranges, "distopt.dp.gather.wait[bucket 0]") == {
+                    finish if overlap else main}, config
+            if not overlap:  # every step inside step()
+                steps = [(s, e) for n, _, s, e in ranges if n == "test.step"]
+                for n, _, s, e in ranges:
+                    if n.startswith("distopt.dp.step["):
+                        assert any(a <= s and e <= b for a, b in steps), (config, n)
+
+
+def test_a_profiler_trace_shows_reductions_overlapping_backward(integrated):
+    for result in integrated:
+        ranges = result["traces"]["overlap"]["ranges"]
+        main = _main_thread(ranges)
+        passes = [(s, e) for n, _, s, e in ranges if n == "test.backward"]
+        assert len(passes) == traces.STEPS
+        overlapped = []
+        for start, end in passes:
+            # The autograd engine's last computation of this pass on the main thread.
+            computed = max(e for n, t, s, e in ranges
+                           if n.startswith("autograd::engine::evaluate_function")
+                           and t == main and start <= s <= end)
+            reductions = [s for n, _, s, _ in ranges
+                          if n.startswith("distopt.dp.reduce[") and start <= s <= end]
+            assert len(reductions) == traces.LAYERS
+            overlapped.append((min(reductions) - start, computed - start))
+        # In some pass (two cores shared with the other rank: a thread may wait its turn),
+        # the first reduction was issued while backward still had layers to compute.
+        assert any(first < computed for first, computed in overlapped), overlapped
+
+
+def test_clip_grad_norm_on_the_averaged_gradients(worlds):
+    results = worlds.run(scenarios.clipping, 2)
     first = results[0]
     assert first["norms"] == results[1]["norms"]
     assert first["norms"] == pytest.approx(first["reference_norms"], rel=1e-5)
@@ -474,8 +546,8 @@ def test_clip_grad_norm_on_the_averaged_gradients():
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_round_robin_equals_local_steps_and_partial_averaging(k):
-    results = run_world(scenarios.round_robin, 2, k)
+def test_round_robin_equals_local_steps_and_partial_averaging(worlds, k):
+    results = worlds.run(scenarios.round_robin, 2, k)
     parts = results[0]["partitions"]
     assert sorted(m for part in parts for m in part) == list(range(len(results[0]["params"])))
     assert results[0]["round"] == {"round": 6}
@@ -487,8 +559,8 @@ def test_round_robin_equals_local_steps_and_partial_averaging(k):
             assert _close(p, results[0]["reference"][r][m])
 
 
-def test_save_and_load_resume_exactly(tmp_path):
-    results = run_world(scenarios.checkpoint, 2, str(tmp_path))
+def test_save_and_load_resume_exactly(worlds, tmp_path):
+    results = worlds.run(scenarios.checkpoint, 2, str(tmp_path))
     for r in results:
         assert torch.equal(r["resumed"], r["uninterrupted"])
         assert "optimizer_class" in r["other_class"]
@@ -497,6 +569,13 @@ def test_save_and_load_resume_exactly(tmp_path):
         # both ranks read the (one) state file: each names it and its CRC-32
         assert r["state_file"] in r["flipped"] and "CRC-32" in r["flipped"], r["flipped"]
         assert r["state_unchanged"]
+        # a manifest naming a file outside the checkpoint, each refused on every rank by name
+        planted = r["planted"]
+        assert "file name 'dp-/../../x-state-rank0.pt' (expected a file name inside" in (
+            planted[".."]), planted[".."]
+        assert "y.pt' (expected a file name inside" in planted["absolute"], planted["absolute"]
+        assert "outside" in planted["symlink"] and (
+            "(a symlink out of the checkpoint)" in planted["symlink"]), planted["symlink"]
     # rank 1's residuals file is gone: rank 1 names it, rank 0 hears that another refused
     assert results[1]["residuals_file"] in results[1]["missing"], results[1]["missing"]
     assert "is missing" in results[1]["missing"]
@@ -507,8 +586,8 @@ def test_save_and_load_resume_exactly(tmp_path):
     assert len(results[0]["files_after_second_save"]) == len(files)
 
 
-def test_subgroups_average_within_their_group():
-    results = run_world(scenarios.subgroups, 4)
+def test_subgroups_average_within_their_group(worlds):
+    results = worlds.run(scenarios.subgroups, 4)
     assert [r["group_rank"] for r in results] == [0, 1, 0, 1]
     assert all(r["group_size"] == 2 for r in results)
     assert torch.equal(results[0]["params"], results[1]["params"])
@@ -518,8 +597,8 @@ def test_subgroups_average_within_their_group():
     assert _close(results[2]["params"], results[2]["reference"])
 
 
-def test_step_after_a_backward_that_raised_everywhere_completes():
-    results = run_world(scenarios.raise_everywhere_then_step, 2, timeout_s=10.0)
+def test_step_after_a_backward_that_raised_everywhere_completes(worlds):
+    results = worlds.run(scenarios.raise_everywhere_then_step, 2)
     for r in results:
         assert r["errors"] == ["injected failure in backward"]
         assert r["losses"][3] < r["losses"][0]
@@ -530,8 +609,8 @@ def test_step_after_a_backward_that_raised_everywhere_completes():
 
 
 @pytest.fixture(scope="module")
-def misused():
-    return run_world(scenarios.misuse, 2)
+def misused(worlds):
+    return worlds.run(scenarios.misuse, 2)
 
 
 def test_grads_are_averaged_when_backward_returns(misused):

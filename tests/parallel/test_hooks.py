@@ -27,6 +27,7 @@ from distopt.parallel import (
     optimizer_hook,
 )
 from distopt.parallel import compression as compression_module
+from tests.parallel import traces
 from tests.parallel.cases import CASE_IDS, CASES
 from tests.parallel.ranks import (
     COMPLEX_CASES,
@@ -42,7 +43,7 @@ from tests.parallel.ranks import (
     train_complex,
     train_unused,
 )
-from tests.parallel.world import run_world
+from tests.state_hooks import hooks_seen
 from tests.same import assert_identical
 
 STEPS = 4
@@ -92,7 +93,8 @@ def _error_of(fn) -> str:
 def hook_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     """Every scenario, in one world."""
     return {"compression": compression_ranks(rank, world_size),
-            "optimizer": optimizer_ranks(rank, world_size)}
+            "optimizer": optimizer_ranks(rank, world_size),
+            "trace": traces.hook_profiled(rank, world_size)}
 
 
 def compression_ranks(rank: int, world_size: int) -> Dict[str, Any]:
@@ -493,6 +495,11 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         "lr": lambda: optimizer_hook(ddp, torch.optim.SGD, model.parameters(), lr=-1.0),
     }
     out["errors"] = {name: _error_of(fn) for name, fn in errors.items()}
+    model = make_model(True)
+    ddp = _ddp(model)
+    opt = optimizer_hook(ddp, torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
+    ddp(torch.ones(2, 6)).sum().backward()
+    out["state_dict_hooks"] = hooks_seen(opt)
     return out
 
 
@@ -500,8 +507,8 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(hook_ranks, 2)
+def world(worlds):
+    return worlds.run(hook_ranks, 2)
 
 
 @pytest.fixture(scope="module")
@@ -707,6 +714,26 @@ def test_param_group_edits_are_refused_before_any_collective(stepped, edit):
         assert result["unchanged"]
 
 
+def test_a_profiler_trace_names_each_hook_buckets_reduction_and_step(world):
+    for result in world:
+        trace = result["trace"]
+        assert trace["buckets"] >= 3
+        ranges = trace["ranges"]
+        names = [name for name, _, _, _ in ranges]
+        for k in range(trace["buckets"]):
+            for what in ("reduce", "reduce.wait", "step"):
+                assert names.count(f"distopt.ddp.{what}[bucket {k}]") == traces.STEPS, (what, k)
+
+        def threads(name):
+            return {thread for n, thread, _, _ in ranges if n == name}
+
+        # Issued from DDP's hook on the thread running backward; waited for and stepped on
+        # the hook's own thread.
+        assert threads("distopt.ddp.reduce[bucket 0]") == threads("test.backward")
+        (own,) = threads("distopt.ddp.step[bucket 0]")
+        assert threads("distopt.ddp.reduce.wait[bucket 0]") == {own} != threads("test.backward")
+
+
 def test_one_tensor_twice_is_refused_as_data_parallel_optimizer_refuses_it(stepped):
     message = stepped[0]["errors_duplicate"]
     assert message.startswith("ValueError: Invalid params: parameters 0 and 2 are the same "
@@ -731,3 +758,12 @@ def test_bad_arguments_are_named(stepped, case):
     message = stepped[0]["errors"][case]
     assert message.startswith(kind + ":"), message
     assert words in message, message
+
+
+def test_optimizer_in_backward_runs_torch_s_state_dict_hooks(stepped):
+    for result in stepped:
+        calls, note, keys, refusal = result["state_dict_hooks"]
+        assert calls == ["pre", "post", "load_pre", "load_post"]
+        assert note == "post" and keys == ["note", "param_groups", "state"]
+        assert refusal.startswith("Invalid add_param_group: an OptimizerInBackward's groups "
+                                  "are fixed at construction")

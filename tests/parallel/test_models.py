@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from tests.parallel import models
-from tests.parallel.world import run_world
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return run_world(models.users_models, 2)
+def trained(worlds):
+    return worlds.run(models.users_models, 2)
 
 
 @pytest.mark.parametrize("run", list(models.RUNS))

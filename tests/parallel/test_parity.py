@@ -10,7 +10,6 @@ import torch
 
 from tests.parallel import ranks
 from tests.parallel.cases import CASE_IDS
-from tests.parallel.world import run_world
 
 STEPS = 20
 #: torch.optim.Muon orthogonalizes in bfloat16 (Newton-Schulz): a last-bit difference in a
@@ -21,13 +20,13 @@ MODES = ["compiled-overlap", "compiled", "eager-overlap"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_world(ranks.parity, 2, STEPS, MODES)
+def two_ranks(worlds):
+    return worlds.run(ranks.parity, 2, STEPS, MODES)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_world(ranks.parity, 4, STEPS, ["compiled-overlap"])
+def four_ranks(worlds):
+    return worlds.run(ranks.parity, 4, STEPS, ["compiled-overlap"])
 
 
 @pytest.mark.parametrize("mode", MODES)

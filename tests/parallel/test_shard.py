@@ -8,7 +8,6 @@ import torch
 
 from tests.parallel import shard_ranks
 from tests.parallel.cases import CASE_IDS
-from tests.parallel.world import run_world
 
 STEPS = 6
 #: At 3 ranks (uneven cuts), a class of each kind: momentum, Adam-like, two-moment,
@@ -19,13 +18,13 @@ KEYS = [(name, shard) for name in CASE_IDS for shard in ("param", "flat")
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_world(shard_ranks.parity, 2, STEPS, [True, False])
+def two_ranks(worlds):
+    return worlds.run(shard_ranks.parity, 2, STEPS, [True, False])
 
 
 @pytest.fixture(scope="module")
-def three_ranks():
-    return run_world(shard_ranks.parity, 3, STEPS, [True], THREE_RANK_CASES)
+def three_ranks(worlds):
+    return worlds.run(shard_ranks.parity, 3, STEPS, [True], THREE_RANK_CASES)
 
 
 def _check(results, key, world_size):
@@ -58,20 +57,20 @@ def test_three_ranks_equal_unsharded(three_ranks, name, shard):
     _check(three_ranks, f"{name}/{shard}/True", 3)
 
 
-def test_features_equal_unsharded():
-    for result in run_world(shard_ranks.features, 2):
+def test_features_equal_unsharded(worlds):
+    for result in worlds.run(shard_ranks.features, 2):
         for name, by_shard in result.items():
             assert by_shard == {"param": True, "flat": True}, name
 
 
-def test_checkpoints_saved_by_two_ranks_load_on_three(tmp_path):
+def test_checkpoints_saved_by_two_ranks_load_on_three(worlds, tmp_path):
     paths = {shard: str(tmp_path / shard) for shard in ("flat", "param")}
-    saved = run_world(shard_ranks.save, 2, paths)
+    saved = worlds.run(shard_ranks.save, 2, paths)
     for shard in paths:
         files = saved[0][shard]["files"]
         assert len([f for f in files if "-shard-rank" in f]) == 2 and "manifest.json" in files
         assert shard_ranks._state_equal(saved[0][shard]["saved"], saved[1][shard]["saved"])
-    resumed = run_world(shard_ranks.resume, 3, paths, saved[0])
+    resumed = worlds.run(shard_ranks.resume, 3, paths, saved[0])
     for source in paths:
         for r in range(3):
             for shard in ("flat", "param", "None", "eager"):
@@ -86,14 +85,14 @@ def test_checkpoints_saved_by_two_ranks_load_on_three(tmp_path):
     assert torch.equal(resumed[0]["flat->None"]["params"], resumed[0]["param->None"]["params"])
 
 
-def test_load_refuses_a_shard_missing_a_piece(tmp_path):
-    for message in run_world(shard_ranks.load_refuses_gaps, 2, str(tmp_path)):
+def test_load_refuses_a_shard_missing_a_piece(worlds, tmp_path):
+    for message in worlds.run(shard_ranks.load_refuses_gaps, 2, str(tmp_path)):
         assert "do not cover" in message or "another rank refused" in message, message
         assert "Invalid checkpoint" in message
 
 
-def test_bad_arguments_are_named():
-    out = run_world(shard_ranks.bad_arguments, 1)[0]
+def test_bad_arguments_are_named(worlds):
+    out = worlds.run(shard_ranks.bad_arguments, 2)[0]
     assert "Invalid shard: 'rows'" in out["mode"]
     assert "Invalid shard: 'flat' for Adafactor" in out["flat-adafactor"]
     assert "shard='param'" in out["flat-adafactor"]

@@ -1,0 +1,1270 @@
+// Fused CPU kernels of the elementwise optimizers torch has no fused kernel for (Adadelta,
+// Adamax, RMSprop, Rprop, NAdam, RAdam, ASGD) and of Adafactor's update: one pass over each
+// parameter, its gradient and its state instead of one pass per foreach op (functional/*.py
+// call them where functional/_native.py built this file; registered with TORCH_LIBRARY, so
+// the TorchScript step calls them without the GIL).
+//
+// Each kernel computes what torch.optim computes, op for op, with the arithmetic of torch's
+// own kernel for each op (its foreach path; its per-tensor loop for ASGD and Adafactor), so
+// that the two agree to the bit where they can. What that takes (each point measured on torch
+// 2.13, CPU):
+//
+// - Every op computes in the "opmath" type (float for float16 / bfloat16 / float32, double for
+//   float64) and rounds its result to the parameter's dtype. The kernels keep the values in
+//   opmath and round where torch stores a tensor (``Ctx::r``): a no-op for float32 and
+//   float64, the same rounding as torch's for float16 and bfloat16.
+// - A Python scalar reaches an op as torch converts it: to the parameter's dtype first for
+//   add, in-place foreach mul, masked_fill and clamp (``Ctx::in_dtype``); to opmath for
+//   Tensor.mul_, out-of-place foreach mul, div, addcmul, addcdiv and lerp.
+// - torch's AVX2 kernels fuse a multiply and an add (add with alpha, addcmul, lerp: by
+//   intrinsics or by the compiler's contraction, in their scalar tails too); the kernels use
+//   one fused multiply-add there as well (``madd``) and are built with -ffp-contract=off, so
+//   that nothing else is fused. On an AVX512 machine torch runs the AVX2 build of these
+//   kernels, so this file is built for AVX2 there (functional/_native.py).
+// - torch's float16 / bfloat16 add with alpha rounds ``alpha * other`` before adding in its
+//   scalar tail (the elements after the last whole pair of vectors of a thread's range); the
+//   kernels walk each range as torch does (``for_each``) and round the same elements so.
+//
+// What does not match: torch's float32 / float64 sqrt and rsqrt run on MKL's vector math,
+// which is not correctly rounded (about 1 in 6 results 1 ulp off); the kernels take the
+// correctly rounded square root. Adafactor's norms and means are reductions in another order.
+// benchmarks/kernel_ulps.py measures both: a few units in the last place.
+//
+// Any memory layout: operands laid out element for element like the parameter (dense, the
+// same strides) are stepped where they are; otherwise the kernel steps contiguous copies and
+// writes the parameter and state back (``Staged``).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// torch's vectorised kernels of this capability fuse a multiply and an add.
+constexpr bool kFusedMultiplyAdd = true;
+#else
+constexpr bool kFusedMultiplyAdd = false;
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Arithmetic, on a scalar (opmath_t) or a vector (Vectorized<opmath_t>) alike.
+
+template <typename T>
+inline T madd(T a, T b, T c) {
+  if constexpr (kFusedMultiplyAdd) {
+    return std::fma(a, b, c);
+  } else {
+    return a * b + c;
+  }
+}
+template <typename T>
+inline Vectorized<T> madd(const Vectorized<T>& a, const Vectorized<T>& b, const Vectorized<T>& c) {
+  return at::vec::fmadd(a, b, c);
+}
+
+template <typename T>
+inline T vsqrt(T x) { return std::sqrt(x); }
+template <typename T>
+inline Vectorized<T> vsqrt(const Vectorized<T>& x) { return x.sqrt(); }
+
+template <typename T>
+inline T vabs(T x) { return std::abs(x); }
+template <typename T>
+inline Vectorized<T> vabs(const Vectorized<T>& x) { return x.abs(); }
+
+template <typename T>
+inline T vneg(T x) { return -x; }
+template <typename T>
+inline Vectorized<T> vneg(const Vectorized<T>& x) { return x.neg(); }
+
+// torch.maximum: NaN if either is NaN.
+template <typename T>
+inline T vmax(T a, T b) {
+  if (std::isnan(a) || std::isnan(b)) {
+    return std::numeric_limits<T>::quiet_NaN();
+  }
+  return std::max(a, b);
+}
+template <typename T>
+inline Vectorized<T> vmax(const Vectorized<T>& a, const Vectorized<T>& b) {
+  return at::vec::maximum(a, b);
+}
+
+// torch.clamp with bounds lo <= hi: NaN stays NaN.
+template <typename T>
+inline T vclamp(T x, T lo, T hi) {
+  if (std::isnan(x)) {
+    return x;
+  }
+  return std::min(std::max(x, lo), hi);
+}
+template <typename T>
+inline Vectorized<T> vclamp(const Vectorized<T>& x, T lo, T hi) {
+  return at::vec::clamp(x, Vectorized<T>(lo), Vectorized<T>(hi));
+}
+
+// torch.sign of a real number: -1, 0 or 1 (0 for NaN).
+template <typename T>
+inline T vsign(T x) {
+  return static_cast<T>((T(0) < x) - (x < T(0)));
+}
+template <typename T>
+inline Vectorized<T> vsign(const Vectorized<T>& x) {
+  const Vectorized<T> zero(0), one(1);
+  return Vectorized<T>::blendv(zero, one, zero < x) - Vectorized<T>::blendv(zero, one, x < zero);
+}
+
+// ``cond ? a : b`` where ``cond`` is ``x == y``.
+template <typename T>
+inline T where_eq(T x, T y, T a, T b) { return x == y ? a : b; }
+template <typename T>
+inline Vectorized<T> where_eq(const Vectorized<T>& x, T y, const Vectorized<T>& a, const Vectorized<T>& b) {
+  return Vectorized<T>::blendv(b, a, x == Vectorized<T>(y));
+}
+
+// Rprop's factor: etaplus where x > 0, etaminus where x < 0, 1 where x == 0 (x a sign).
+template <typename T>
+inline T sign_factor(T x, T etaminus, T etaplus) {
+  return x > T(0) ? etaplus : (x < T(0) ? etaminus : T(1));
+}
+template <typename T>
+inline Vectorized<T> sign_factor(const Vectorized<T>& x, T etaminus, T etaplus) {
+  const Vectorized<T> zero(0);
+  Vectorized<T> out = Vectorized<T>::blendv(Vectorized<T>(1), Vectorized<T>(etaplus), x > zero);
+  return Vectorized<T>::blendv(out, Vectorized<T>(etaminus), x < zero);
+}
+
+template <typename T>
+inline T splat(T value, T) { return value; }
+template <typename T>
+inline Vectorized<T> splat(T value, const Vectorized<T>&) { return Vectorized<T>(value); }
+
+// The arithmetic of one dtype: rounding to it, and the ops whose rounding depends on it.
+template <typename scalar_t>
+struct Ctx {
+  using opmath_t = at::opmath_type<scalar_t>;
+  static constexpr bool reduced = !std::is_same_v<scalar_t, opmath_t>;
+
+  // A value stored as scalar_t and read back.
+  static opmath_t r(opmath_t x) {
+    if constexpr (reduced) {
+      return static_cast<opmath_t>(static_cast<scalar_t>(x));
+    } else {
+      return x;
+    }
+  }
+  static Vectorized<opmath_t> r(const Vectorized<opmath_t>& x) {
+    if constexpr (reduced) {
+      return std::get<0>(at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(x, x)));
+    } else {
+      return x;
+    }
+  }
+  // A scalar argument that torch converts to the tensor's dtype (add, masked_fill, clamp).
+  static opmath_t in_dtype(double x) {
+    return static_cast<opmath_t>(static_cast<scalar_t>(x));
+  }
+  // ``self + alpha * other`` as torch's add computes it (alpha already ``in_dtype``): fused in
+  // its vector body (AVX2 / AVX512); in the scalar tail of a reduced dtype, and in the whole of
+  // the portable build's, the product is rounded first.
+  static opmath_t add(opmath_t self, opmath_t other, opmath_t alpha) {
+    if constexpr (reduced) {
+      return self + r(alpha * other);
+    } else {
+      return madd(other, alpha, self);
+    }
+  }
+  static Vectorized<opmath_t> add(const Vectorized<opmath_t>& self, const Vectorized<opmath_t>& other, opmath_t alpha) {
+    if constexpr (reduced && !kFusedMultiplyAdd) {
+      // The portable build's scalar_t vectors multiply and add in scalar_t, one rounding each.
+      return self + r(Vectorized<opmath_t>(alpha) * other);
+    } else {
+      return madd(other, Vectorized<opmath_t>(alpha), self);
+    }
+  }
+  // ``self + value * t1 * t2`` (addcmul) and ``self + value * t1 / t2`` (addcdiv).
+  template <typename V>
+  static V addcmul(const V& self, const V& t1, const V& t2, opmath_t value) {
+    return madd(splat(value, self) * t1, t2, self);
+  }
+  template <typename V>
+  static V addcdiv(const V& self, const V& t1, const V& t2, opmath_t value) {
+    return self + splat(value, self) * t1 / t2;
+  }
+  // torch.lerp with a scalar weight (``small``: |weight| < 0.5; ``weight_m1``: weight - 1).
+  template <typename V>
+  static V lerp(const V& self, const V& end, opmath_t weight, opmath_t weight_m1, bool small) {
+    const V diff = end - self;
+    return small ? madd(splat(weight, self), diff, self) : madd(splat(weight_m1, self), diff, end);
+  }
+};
+
+// A lerp weight as torch's kernel takes it.
+template <typename opmath_t>
+struct LerpWeight {
+  opmath_t w, w_m1;
+  bool small;
+  explicit LerpWeight(double weight)
+      : w(static_cast<opmath_t>(weight)), w_m1(w - opmath_t(1)), small(std::abs(w) < opmath_t(0.5)) {}
+};
+
+// ---------------------------------------------------------------------------------------
+// The loop: ``op(v)`` on K operand arrays of n elements (v[k] the k-th operand's value, as a
+// vector or a scalar of opmath_t), the operands marked in ``Written`` stored back.
+//
+// It walks the elements as torch's elementwise kernels do (at::parallel_for with torch's
+// grain size; in each range, pairs of scalar_t vectors, then a scalar tail), so that the
+// tail elements, where torch's reduced-dtype arithmetic differs, are the same ones.
+
+template <typename scalar_t, int K, uint32_t Written, typename Op>
+void for_each(int64_t n, const std::array<scalar_t*, K>& ptr, const Op& op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Vs = Vectorized<scalar_t>;
+  using Vo = Vectorized<opmath_t>;
+  constexpr bool reduced = Ctx<scalar_t>::reduced;
+  constexpr int64_t kStep = 2 * Vs::size();
+  at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + kStep <= end; i += kStep) {
+      for (int64_t j = i; j < i + kStep; j += Vs::size()) {
+        if constexpr (reduced) {
+          Vo lo[K], hi[K];
+          for (int k = 0; k < K; ++k) {
+            std::tie(lo[k], hi[k]) = at::vec::convert_to_float<scalar_t>(Vs::loadu(ptr[k] + j));
+          }
+          op(lo);
+          op(hi);
+          for (int k = 0; k < K; ++k) {
+            if (Written & (1u << k)) {
+              at::vec::convert_from_float<scalar_t>(lo[k], hi[k]).store(ptr[k] + j);
+            }
+          }
+        } else {
+          Vo v[K];
+          for (int k = 0; k < K; ++k) {
+            v[k] = Vo::loadu(ptr[k] + j);
+          }
+          op(v);
+          for (int k = 0; k < K; ++k) {
+            if (Written & (1u << k)) {
+              v[k].store(ptr[k] + j);
+            }
+          }
+        }
+      }
+    }
+    for (; i < end; ++i) {
+      opmath_t s[K];
+      for (int k = 0; k < K; ++k) {
+        s[k] = static_cast<opmath_t>(ptr[k][i]);
+      }
+      op(s);
+      for (int k = 0; k < K; ++k) {
+        if (Written & (1u << k)) {
+          ptr[k][i] = static_cast<scalar_t>(s[k]);
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Operands of one parameter, laid out alike.
+
+// The tensors of one parameter (parameter, gradient, state) as data pointers. ``kLikeParam``:
+// of one layout, element k of each at the same offset: the parameter's own where it is dense,
+// else contiguous. ``kContiguous``: each tensor contiguous (Adafactor, which walks rows and
+// columns). A tensor already so is used where it is; any other is copied, and the written
+// ones (bit k of ``written``) are copied back by ``finish``.
+// A parameter's operands, without a heap allocation (at most six).
+using Tensors = c10::SmallVector<at::Tensor, 6>;
+
+class Staged {
+ public:
+  enum Layout { kLikeParam, kContiguous };
+
+  Staged(Tensors tensors, uint32_t written, Layout layout = kLikeParam)
+      : given_(std::move(tensors)), written_(written) {
+    const at::Tensor& p = given_[0];
+    const bool dense = layout == kLikeParam && p.is_non_overlapping_and_dense() && plain(p);
+    const bool contiguous = !dense || p.is_contiguous();
+    for (const at::Tensor& t : given_) {
+      const bool fits = plain(t) && (contiguous ? t.is_contiguous() : t.strides() == p.strides());
+      if (fits) {
+        work_.push_back(t);
+      } else if (contiguous) {
+        work_.push_back(at::empty(t.sizes(), t.options()).copy_(t));
+      } else {
+        work_.push_back(at::empty_strided(p.sizes(), p.strides(), t.options()).copy_(t));
+      }
+    }
+  }
+
+  template <typename scalar_t>
+  scalar_t* data(size_t k) {
+    return static_cast<scalar_t*>(work_[k].data_ptr());
+  }
+
+  void finish() {
+    for (size_t k = 0; k < given_.size(); ++k) {
+      if ((written_ & (1u << k)) && !work_[k].is_same(given_[k])) {
+        given_[k].copy_(work_[k]);
+      }
+    }
+  }
+
+ private:
+  static bool plain(const at::Tensor& t) { return !t.is_neg() && !t.is_conj(); }
+
+  Tensors given_;
+  Tensors work_;
+  uint32_t written_;
+};
+
+// Checks shared by every kernel: one operand per parameter in each list, all on the CPU,
+// each of its parameter's shape and dtype (the dtype one of the four floating types).
+void check_lists(const char* name, at::TensorList params,
+                 std::initializer_list<std::pair<const char*, at::TensorList>> lists) {
+  const size_t n = params.size();
+  for (const auto& [what, list] : lists) {
+    TORCH_CHECK(list.size() == n, "distopt_kernels::", name, ": ", n, " params but ",
+                list.size(), " ", what);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.device().is_cpu() && p.layout() == at::kStrided, "distopt_kernels::", name,
+                ": params[", i, "] is not a dense CPU tensor");
+    const auto dtype = p.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                    dtype == at::kBFloat16,
+                "distopt_kernels::", name, ": params[", i, "] of ", dtype,
+                " (expected a real floating dtype)");
+  }
+}
+
+// ``t`` (an operand of params[i]) has its parameter's shape, dtype and device.
+void check_like(const char* name, const char* what, size_t i, const at::Tensor& t,
+                const at::Tensor& p) {
+  TORCH_CHECK(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
+                  t.device().is_cpu() && t.layout() == at::kStrided,
+              "distopt_kernels::", name, ": ", what, "[", i, "] of shape ", t.sizes(), " and ",
+              t.scalar_type(), " for a parameter of ", p.sizes(), " and ", p.scalar_type());
+}
+
+// A one-element state entry on the CPU (step, mu_product, eta, mu: float32 as the classes
+// make them; loaded from a torch.optim state_dict, of the parameter's dtype except ``step``),
+// read and written through its data pointer: tens of nanoseconds, where Tensor::item and
+// Tensor::add_ are dispatcher calls.
+class Slot {
+ public:
+  Slot(const char* name, const char* what, size_t i, const at::Tensor& t) : t_(t) {
+    TORCH_CHECK(t.numel() == 1 && t.device().is_cpu() && t.layout() == at::kStrided &&
+                    at::isFloatingType(t.scalar_type()),
+                "distopt_kernels::", name, ": ", what, "[", i,
+                "] must be a one-element floating-point CPU tensor, got ", t.sizes(), " of ",
+                t.scalar_type(), " on ", t.device());
+  }
+
+  double get() const {
+    double value = 0.0;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t_.scalar_type(), "slot", [&] {
+      value = static_cast<double>(*static_cast<const scalar_t*>(t_.const_data_ptr()));
+    });
+    return value;
+  }
+
+  // ``t.copy_(torch.as_tensor(value))``: through float32, as torch.optim stores a Python
+  // number it computed (ASGD's eta and mu).
+  void set_as_float(double value) const {
+    const float rounded = static_cast<float>(value);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t_.scalar_type(), "slot", [&] {
+      *static_cast<scalar_t*>(t_.data_ptr()) = static_cast<scalar_t>(rounded);
+    });
+  }
+
+  // ``torch._foreach_add_([t], 1)`` / ``torch._foreach_mul_([t], factor)`` in t's dtype;
+  // the new value.
+  double add_one() const {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t_.scalar_type(), "slot", [&] {
+      using opmath_t = at::opmath_type<scalar_t>;
+      auto* d = static_cast<scalar_t*>(t_.data_ptr());
+      *d = static_cast<scalar_t>(static_cast<opmath_t>(*d) + opmath_t(1));
+    });
+    return get();
+  }
+  double multiply(double factor) const {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t_.scalar_type(), "slot", [&] {
+      using opmath_t = at::opmath_type<scalar_t>;
+      auto* d = static_cast<scalar_t*>(t_.data_ptr());
+      *d = static_cast<scalar_t>(static_cast<opmath_t>(*d) * Ctx<scalar_t>::in_dtype(factor));
+    });
+    return get();
+  }
+
+ private:
+  const at::Tensor& t_;
+};
+
+// ``step += 1`` and the new count.
+double advance(const char* name, size_t i, const at::Tensor& step) {
+  return Slot(name, "steps", i, step).add_one();
+}
+
+// Runs ``body.template operator()<scalar_t>()`` for the dtype of ``t``.
+#define DISTOPT_DISPATCH(t, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (t).scalar_type(), name, __VA_ARGS__)
+
+// ---------------------------------------------------------------------------------------
+// Adadelta: operands p, g, square_avg, acc_delta.
+
+template <typename scalar_t>
+struct AdadeltaOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  opmath_t rho, one_minus_rho, eps, weight_decay, neg_lr;
+  bool maximize, decay;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    V g = maximize ? vneg(v[1]) : v[1];
+    V& sq = v[2];
+    V& acc = v[3];
+    if (decay) {
+      g = C::r(C::add(g, p, weight_decay));
+    }
+    sq = C::r(sq * splat(rho, p));
+    sq = C::r(C::addcmul(sq, g, g, one_minus_rho));
+    V std_ = C::r(vsqrt(C::r(sq + splat(eps, p))));
+    V delta = C::r(vsqrt(C::r(acc + splat(eps, p))));
+    delta = C::r(delta / std_);
+    delta = C::r(delta * g);
+    acc = C::r(acc * splat(rho, p));
+    acc = C::r(C::addcmul(acc, delta, delta, one_minus_rho));
+    p = C::r(C::add(p, delta, neg_lr));
+  }
+};
+
+void adadelta(at::TensorList params, at::TensorList grads, at::TensorList steps,
+              at::TensorList square_avgs, at::TensorList acc_deltas, double lr, double rho,
+              double eps, double weight_decay, bool maximize) {
+  constexpr const char* name = "adadelta_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"square_avgs", square_avgs},
+                             {"acc_deltas", acc_deltas}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "square_avgs", i, square_avgs[i], p);
+    check_like(name, "acc_deltas", i, acc_deltas[i], p);
+    advance(name, i, steps[i]);
+    Staged ops({p, grads[i], square_avgs[i], acc_deltas[i]}, 0b1101);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      using opmath_t = typename C::opmath_t;
+      AdadeltaOp<scalar_t> op{C::in_dtype(rho), static_cast<opmath_t>(1.0 - rho),
+                              C::in_dtype(eps), C::in_dtype(weight_decay), C::in_dtype(-lr),
+                              maximize, weight_decay != 0.0};
+      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
+    });
+    ops.finish();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Adamax: operands p, g, exp_avg, exp_inf.
+
+template <typename scalar_t>
+struct AdamaxOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  LerpWeight<opmath_t> w;
+  opmath_t beta2, eps, weight_decay, step_size;
+  bool maximize, decay;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    V g = maximize ? vneg(v[1]) : v[1];
+    V& m = v[2];
+    V& u = v[3];
+    if (decay) {
+      g = C::r(C::add(g, p, weight_decay));
+    }
+    m = C::r(C::lerp(m, g, w.w, w.w_m1, w.small));
+    u = C::r(u * splat(beta2, p));
+    const V norm = C::r(vabs(g) + splat(eps, p));
+    u = vmax(u, norm);
+    p = C::r(C::addcdiv(p, m, u, step_size));
+  }
+};
+
+void adamax(at::TensorList params, at::TensorList grads, at::TensorList steps,
+            at::TensorList exp_avgs, at::TensorList exp_infs, double lr, double beta1,
+            double beta2, double eps, double weight_decay, bool maximize) {
+  constexpr const char* name = "adamax_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"exp_avgs", exp_avgs},
+                             {"exp_infs", exp_infs}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "exp_avgs", i, exp_avgs[i], p);
+    check_like(name, "exp_infs", i, exp_infs[i], p);
+    const double t = advance(name, i, steps[i]);
+    const double step_size = -(lr / (1.0 - std::pow(beta1, t)));
+    Staged ops({p, grads[i], exp_avgs[i], exp_infs[i]}, 0b1101);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      using opmath_t = typename C::opmath_t;
+      AdamaxOp<scalar_t> op{LerpWeight<opmath_t>(1.0 - beta1), C::in_dtype(beta2),
+                            C::in_dtype(eps), C::in_dtype(weight_decay),
+                            static_cast<opmath_t>(step_size), maximize, weight_decay != 0.0};
+      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
+    });
+    ops.finish();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSprop: operands p, g, square_avg, then momentum_buffer (Momentum), then grad_avg
+// (Centered).
+
+template <typename scalar_t, bool Momentum, bool Centered>
+struct RmspropOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  opmath_t alpha, one_minus_alpha, eps, weight_decay, momentum, lr_scaled;
+  LerpWeight<opmath_t> w;
+  bool maximize, decay;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    V g = maximize ? vneg(v[1]) : v[1];
+    V& sq = v[2];
+    if (decay) {
+      g = C::r(C::add(g, p, weight_decay));
+    }
+    sq = C::r(sq * splat(alpha, p));
+    sq = C::r(C::addcmul(sq, g, g, one_minus_alpha));
+    V avg;
+    if constexpr (Centered) {
+      V& grad_avg = v[Momentum ? 4 : 3];
+      grad_avg = C::r(C::lerp(grad_avg, g, w.w, w.w_m1, w.small));
+      avg = C::r(vsqrt(C::r(C::addcmul(sq, grad_avg, grad_avg, opmath_t(-1)))));
+    } else {
+      avg = C::r(vsqrt(sq));
+    }
+    avg = C::r(avg + splat(eps, p));
+    if constexpr (Momentum) {
+      V& buf = v[3];
+      buf = C::r(buf * splat(momentum, p));
+      buf = C::r(C::addcdiv(buf, g, avg, opmath_t(1)));
+      p = C::r(C::add(p, buf, lr_scaled));
+    } else {
+      p = C::r(C::addcdiv(p, g, avg, lr_scaled));
+    }
+  }
+};
+
+void rmsprop(at::TensorList params, at::TensorList grads, at::TensorList steps,
+             at::TensorList square_avgs, at::TensorList momentum_buffers,
+             at::TensorList grad_avgs, double lr, double alpha, double eps,
+             double weight_decay, double momentum, bool centered, bool maximize) {
+  constexpr const char* name = "rmsprop_";
+  const bool with_momentum = momentum > 0.0;
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"square_avgs", square_avgs}});
+  TORCH_CHECK(momentum_buffers.size() == (with_momentum ? params.size() : 0),
+              "distopt_kernels::rmsprop_: ", momentum_buffers.size(), " momentum_buffers for ",
+              params.size(), " params with momentum ", momentum);
+  TORCH_CHECK(grad_avgs.size() == (centered ? params.size() : 0), "distopt_kernels::rmsprop_: ",
+              grad_avgs.size(), " grad_avgs for ", params.size(), " params, centered ", centered);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "square_avgs", i, square_avgs[i], p);
+    Tensors tensors{p, grads[i], square_avgs[i]};
+    if (with_momentum) {
+      check_like(name, "momentum_buffers", i, momentum_buffers[i], p);
+      tensors.push_back(momentum_buffers[i]);
+    }
+    if (centered) {
+      check_like(name, "grad_avgs", i, grad_avgs[i], p);
+      tensors.push_back(grad_avgs[i]);
+    }
+    advance(name, i, steps[i]);
+    const uint32_t written = ((1u << tensors.size()) - 1) & ~2u;
+    Staged ops(tensors, written);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      using opmath_t = typename C::opmath_t;
+      const opmath_t lr_scaled = with_momentum ? C::in_dtype(-lr) : static_cast<opmath_t>(-lr);
+      const int64_t n = p.numel();
+      auto run = [&](auto momentum_tag, auto centered_tag) {
+        constexpr bool M = decltype(momentum_tag)::value;
+        constexpr bool Ce = decltype(centered_tag)::value;
+        constexpr int K = 3 + M + Ce;
+        RmspropOp<scalar_t, M, Ce> op{C::in_dtype(alpha), static_cast<opmath_t>(1.0 - alpha),
+                                      C::in_dtype(eps), C::in_dtype(weight_decay),
+                                      C::in_dtype(momentum),
+                                      lr_scaled, LerpWeight<opmath_t>(1.0 - alpha), maximize,
+                                      weight_decay != 0.0};
+        std::array<scalar_t*, K> ptr;
+        for (int k = 0; k < K; ++k) {
+          ptr[k] = ops.data<scalar_t>(k);
+        }
+        for_each<scalar_t, K, ((1u << K) - 1) & ~2u>(n, ptr, op);
+      };
+      if (with_momentum && centered) {
+        run(std::true_type{}, std::true_type{});
+      } else if (with_momentum) {
+        run(std::true_type{}, std::false_type{});
+      } else if (centered) {
+        run(std::false_type{}, std::true_type{});
+      } else {
+        run(std::false_type{}, std::false_type{});
+      }
+    });
+    ops.finish();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rprop: operands p, g, prev, step_size.
+
+template <typename scalar_t>
+struct RpropOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  opmath_t etaminus, etaplus, step_size_min, step_size_max;
+  bool maximize;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    const V& g = v[1];
+    V& prev = v[2];
+    V& step_size = v[3];
+    V sign = C::r(g * prev);
+    V now = g;
+    if (maximize) {
+      sign = vneg(sign);
+      now = vneg(now);
+    }
+    const V factor = sign_factor(vsign(sign), etaminus, etaplus);
+    step_size = vclamp(C::r(step_size * factor), step_size_min, step_size_max);
+    now = where_eq(factor, etaminus, splat(opmath_t(0), p), now);
+    p = C::r(C::addcmul(p, vsign(now), step_size, opmath_t(-1)));
+    prev = now;
+  }
+};
+
+void rprop(at::TensorList params, at::TensorList grads, at::TensorList steps,
+           at::TensorList prevs, at::TensorList step_sizes, double etaminus, double etaplus,
+           double step_size_min, double step_size_max, bool maximize) {
+  constexpr const char* name = "rprop_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"prevs", prevs},
+                             {"step_sizes", step_sizes}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "prevs", i, prevs[i], p);
+    check_like(name, "step_sizes", i, step_sizes[i], p);
+    advance(name, i, steps[i]);
+    Staged ops({p, grads[i], prevs[i], step_sizes[i]}, 0b1101);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      RpropOp<scalar_t> op{C::in_dtype(etaminus), C::in_dtype(etaplus),
+                           C::in_dtype(step_size_min), C::in_dtype(step_size_max), maximize};
+      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
+    });
+    ops.finish();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// NAdam and RAdam share their first half (decay, then the two moment averages).
+
+template <typename scalar_t>
+struct Moments {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  LerpWeight<opmath_t> w;
+  opmath_t beta2, one_minus_beta2, weight_decay, decay_factor;
+  bool maximize, decoupled, decay;
+
+  // g (signed, decayed), and p, m, v updated in place.
+  template <typename V>
+  V update(V& p, const V& grad, V& m, V& v) const {
+    V g = maximize ? vneg(grad) : grad;
+    if (decay) {
+      if (decoupled) {
+        p = C::r(p * splat(decay_factor, p));
+      } else {
+        g = C::r(C::add(g, p, weight_decay));
+      }
+    }
+    m = C::r(C::lerp(m, g, w.w, w.w_m1, w.small));
+    v = C::r(v * splat(beta2, p));
+    v = C::r(C::addcmul(v, g, g, one_minus_beta2));
+    return g;
+  }
+};
+
+template <typename scalar_t>
+Moments<scalar_t> moments(double lr, double beta1, double beta2, double weight_decay,
+                          bool decoupled, bool maximize) {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  return Moments<scalar_t>{LerpWeight<opmath_t>(1.0 - beta1), C::in_dtype(beta2),
+                           static_cast<opmath_t>(1.0 - beta2), C::in_dtype(weight_decay),
+                           C::in_dtype(1.0 - lr * weight_decay), maximize, decoupled,
+                           weight_decay != 0.0};
+}
+
+// NAdam: operands p, g, exp_avg, exp_avg_sq.
+template <typename scalar_t>
+struct NadamOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  Moments<scalar_t> moments;
+  opmath_t bias_correction2_sqrt, eps, grad_size, exp_avg_size;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    const V g = moments.update(p, v[1], v[2], v[3]);
+    V denom = C::r(vsqrt(v[3]));
+    denom = C::r(denom / splat(bias_correction2_sqrt, p));
+    denom = C::r(denom + splat(eps, p));
+    p = C::r(C::addcdiv(p, g, denom, grad_size));
+    p = C::r(C::addcdiv(p, v[2], denom, exp_avg_size));
+  }
+};
+
+void nadam(at::TensorList params, at::TensorList grads, at::TensorList steps,
+           at::TensorList mu_products, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+           double lr, double beta1, double beta2, double eps, double weight_decay,
+           double momentum_decay, bool decoupled_weight_decay, bool maximize) {
+  constexpr const char* name = "nadam_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"mu_products", mu_products},
+                             {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "exp_avgs", i, exp_avgs[i], p);
+    check_like(name, "exp_avg_sqs", i, exp_avg_sqs[i], p);
+    const double t = advance(name, i, steps[i]);
+    const double bias_correction2_sqrt = std::pow(1.0 - std::pow(beta2, t), 0.5);
+    const double mu = beta1 * (1.0 - 0.5 * std::pow(0.96, t * momentum_decay));
+    const double mu_next = beta1 * (1.0 - 0.5 * std::pow(0.96, (t + 1.0) * momentum_decay));
+    // mu_product is float32 (or the parameter's dtype after a torch.optim state_dict), as in
+    // torch.optim: the step sizes use its rounded value.
+    const double mu_product = Slot(name, "mu_products", i, mu_products[i]).multiply(mu);
+    const double grad_size = -(lr * (1.0 - mu) / (1.0 - mu_product));
+    const double exp_avg_size = -(lr * mu_next / (1.0 - mu_product * mu_next));
+    Staged ops({p, grads[i], exp_avgs[i], exp_avg_sqs[i]}, 0b1101);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      using opmath_t = typename C::opmath_t;
+      NadamOp<scalar_t> op{
+          moments<scalar_t>(lr, beta1, beta2, weight_decay, decoupled_weight_decay, maximize),
+          static_cast<opmath_t>(bias_correction2_sqrt), C::in_dtype(eps),
+          static_cast<opmath_t>(grad_size), static_cast<opmath_t>(exp_avg_size)};
+      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
+    });
+    ops.finish();
+  }
+}
+
+// RAdam: operands p, g, exp_avg, exp_avg_sq. The factor ``adaptive_size / (sqrt(v) + eps) +
+// plain_size`` multiplies exp_avg; a zero adaptive size (rho_t <= 5) gives an infinity whose
+// reciprocal is the wanted zero, as in the foreach path.
+template <typename scalar_t>
+struct RadamOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  Moments<scalar_t> moments;
+  opmath_t eps, adaptive_size, plain_size;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    moments.update(p, v[1], v[2], v[3]);
+    V factor = C::r(vsqrt(v[3]));
+    factor = C::r(factor + splat(eps, p));
+    factor = C::r(factor / splat(adaptive_size, p));
+    factor = C::r(splat(opmath_t(1), p) / factor);
+    factor = C::r(factor + splat(plain_size, p));
+    p = C::r(C::addcmul(p, v[2], factor, opmath_t(1)));
+  }
+};
+
+void radam(at::TensorList params, at::TensorList grads, at::TensorList steps,
+           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr, double beta1,
+           double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
+           bool maximize) {
+  constexpr const char* name = "radam_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"exp_avgs", exp_avgs},
+                             {"exp_avg_sqs", exp_avg_sqs}});
+  const double rho_inf = 2.0 / (1.0 - beta2) - 1.0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "exp_avgs", i, exp_avgs[i], p);
+    check_like(name, "exp_avg_sqs", i, exp_avg_sqs[i], p);
+    const double t = advance(name, i, steps[i]);
+    const double beta2_t = std::pow(beta2, t);
+    const double rho_t = rho_inf - 2.0 * t * beta2_t / (1.0 - beta2_t);
+    double rect = 0.0;
+    if (rho_t > 5.0) {
+      rect = std::pow((rho_t - 4.0) * (rho_t - 2.0) * rho_inf /
+                          ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t),
+                      0.5);
+    }
+    const double unrectified = rect > 0.0 ? 0.0 : 1.0;
+    const double bias_correction1 = 1.0 - std::pow(beta1, t);
+    const double plain_size = -(lr * unrectified / bias_correction1);
+    const double adaptive_size =
+        -(std::pow(1.0 - beta2_t, 0.5) * (lr * rect / bias_correction1));
+    Staged ops({p, grads[i], exp_avgs[i], exp_avg_sqs[i]}, 0b1101);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      using opmath_t = typename C::opmath_t;
+      RadamOp<scalar_t> op{
+          moments<scalar_t>(lr, beta1, beta2, weight_decay, decoupled_weight_decay, maximize),
+          C::in_dtype(eps), static_cast<opmath_t>(adaptive_size), C::in_dtype(plain_size)};
+      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
+    });
+    ops.finish();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// ASGD: operands p, g, ax; eta and mu per parameter (0-dim float32), in torch.optim's
+// per-tensor order.
+
+template <typename scalar_t, bool Average>
+struct AsgdOp {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  opmath_t weight_decay, shrink, neg_eta, mu;
+  bool maximize, decay;
+
+  template <typename V>
+  void operator()(V* v) const {
+    V& p = v[0];
+    V g = maximize ? vneg(v[1]) : v[1];
+    V& ax = v[2];
+    if (decay) {
+      g = C::r(C::add(g, p, weight_decay));
+    }
+    p = C::r(p * splat(shrink, p));
+    p = C::r(C::add(p, g, neg_eta));
+    if constexpr (Average) {
+      V diff = C::r(p - ax);
+      diff = C::r(diff * splat(mu, p));
+      ax = C::r(ax + diff);
+    } else {
+      ax = p;
+    }
+  }
+};
+
+void asgd(at::TensorList params, at::TensorList grads, at::TensorList steps, at::TensorList etas,
+          at::TensorList mus, at::TensorList axs, double lr, double lambd, double alpha,
+          double t0, double weight_decay, bool maximize) {
+  constexpr const char* name = "asgd_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"etas", etas}, {"mus", mus},
+                             {"axs", axs}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, "axs", i, axs[i], p);
+    const Slot eta_slot(name, "etas", i, etas[i]);
+    const Slot mu_slot(name, "mus", i, mus[i]);
+    const double step = advance(name, i, steps[i]);
+    const double eta = eta_slot.get();
+    const double mu = mu_slot.get();
+    Staged ops({p, grads[i], axs[i]}, 0b101);
+    DISTOPT_DISPATCH(p, name, [&] {
+      using C = Ctx<scalar_t>;
+      using opmath_t = typename C::opmath_t;
+      auto run = [&](auto average_tag) {
+        constexpr bool A = decltype(average_tag)::value;
+        AsgdOp<scalar_t, A> op{C::in_dtype(weight_decay),
+                               static_cast<opmath_t>(1.0 - lambd * eta), C::in_dtype(-eta),
+                               static_cast<opmath_t>(mu), maximize, weight_decay != 0.0};
+        for_each<scalar_t, 3, 0b101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                                  ops.data<scalar_t>(2)}, op);
+      };
+      if (mu == 1.0) {
+        run(std::false_type{});
+      } else {
+        run(std::true_type{});
+      }
+    });
+    ops.finish();
+    // The next eta = lr / (1 + lambd * lr * step) ** alpha and mu = 1 / max(1, step - t0),
+    // in double and stored as float32, as torch.optim's per-tensor ASGD computes them.
+    eta_slot.set_as_float(lr / std::pow(1.0 + lambd * lr * step, alpha));
+    mu_slot.set_as_float(1.0 / std::max(1.0, step - t0));
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------
+// Adafactor: its norms and row and column means are reductions, so a step is three passes
+// over the gradient (two over the parameter) instead of one: (1) the squares' row and column
+// sums and the parameter's norm, (2) the update's norm, (3) the update, recomputed from the
+// small row and column state rather than stored. The reductions run in double; torch's run in
+// the parameter's dtype, in its own order (the README gives the difference).
+
+// Sum of x[0..n)^2 in double, in lanes the compiler vectorises.
+template <typename scalar_t>
+double sum_squares(const scalar_t* x, int64_t n) {
+  constexpr int kLanes = 16;
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const double v = static_cast<double>(x[i + k]);
+      lanes[k] += v * v;
+    }
+  }
+  double total = 0.0;
+  for (int k = 0; k < kLanes; ++k) {
+    total += lanes[k];
+  }
+  for (; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    total += v * v;
+  }
+  return total;
+}
+
+// One partial result per thread of at::parallel_for, added up in thread order.
+class PerThread {
+ public:
+  explicit PerThread(int64_t width) : width_(width), parts_(at::get_num_threads() * width, 0.0) {}
+  double* mine() { return parts_.data() + at::get_thread_num() * width_; }
+  std::vector<double> total() const {
+    std::vector<double> out(width_, 0.0);
+    for (size_t t = 0; t < parts_.size(); t += width_) {
+      for (int64_t k = 0; k < width_; ++k) {
+        out[k] += parts_[t + k];
+      }
+    }
+    return out;
+  }
+
+ private:
+  int64_t width_;
+  std::vector<double> parts_;
+};
+
+// The elementwise update of Adafactor on one row of n elements: u = g / sqrt(max(e, eps1^2))
+// where e is ``estimate(j)`` (factored: r * c_j / mean(r); else the variance), then either
+// the sum of u^2 (``apply`` false) or p = p * decay_factor + scale * u (``apply`` true).
+template <typename scalar_t>
+struct AdafactorRow {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  opmath_t eps1_squared, decay_factor, scale;
+  bool decay;
+
+  template <typename V>
+  V update(const V& estimate, const V& g) const {
+    V e = vmax(estimate, splat(eps1_squared, g));
+    e = C::r(splat(opmath_t(1), g) / vsqrt(e));
+    return C::r(e * g);
+  }
+
+  template <typename V>
+  void apply_to(V& p, const V& u) const {
+    if (decay) {
+      p = C::r(p * splat(decay_factor, p));
+    }
+    p = C::r(madd(u, splat(scale, p), p));
+  }
+
+  // ``estimate_at(V*, j)`` loads the estimate of elements j.. into a V.
+  template <typename Estimate>
+  double run(scalar_t* p, const scalar_t* g, int64_t n, bool apply, const Estimate& estimate_at) const {
+    using Vo = Vectorized<opmath_t>;
+    double squares = 0.0;
+    int64_t j = 0;
+    if constexpr (!C::reduced) {
+      constexpr int64_t W = Vo::size();
+      double lanes[W] = {};
+      for (; j + W <= n; j += W) {
+        Vo e;
+        estimate_at(&e, j);
+        const Vo u = update(e, Vo::loadu(g + j));
+        if (apply) {
+          Vo pv = Vo::loadu(p + j);
+          apply_to(pv, u);
+          pv.store(p + j);
+        } else {
+          opmath_t buf[W];
+          u.store(buf);
+          for (int64_t k = 0; k < W; ++k) {
+            lanes[k] += static_cast<double>(buf[k]) * static_cast<double>(buf[k]);
+          }
+        }
+      }
+      for (int64_t k = 0; k < W; ++k) {
+        squares += lanes[k];
+      }
+    }
+    for (; j < n; ++j) {
+      opmath_t e;
+      estimate_at(&e, j);
+      const opmath_t u = update(e, static_cast<opmath_t>(g[j]));
+      if (apply) {
+        opmath_t pv = static_cast<opmath_t>(p[j]);
+        apply_to(pv, u);
+        p[j] = static_cast<scalar_t>(pv);
+      } else {
+        squares += static_cast<double>(u) * static_cast<double>(u);
+      }
+    }
+    return squares;
+  }
+};
+
+// A value of opmath_t loaded from scalar_t storage: as a vector or a scalar.
+template <typename scalar_t, typename opmath_t>
+inline void load_as(Vectorized<opmath_t>* out, const scalar_t* src) {
+  *out = Vectorized<opmath_t>::loadu(src);
+}
+template <typename scalar_t, typename opmath_t>
+inline void load_as(opmath_t* out, const scalar_t* src) {
+  *out = static_cast<opmath_t>(*src);
+}
+
+template <typename scalar_t>
+void adafactor_one(const at::Tensor& p_in, const at::Tensor& g_in, const at::Tensor& first_in,
+                   const at::Tensor& second_in, bool factored, double lr, double beta2_decay,
+                   double t, double eps1, double eps2, double d, double weight_decay,
+                   bool maximize) {
+  using C = Ctx<scalar_t>;
+  using opmath_t = typename C::opmath_t;
+  const double one_minus_beta2_t = std::pow(t, beta2_decay);
+  const double rho_t = std::min(lr, 1.0 / std::pow(t, 0.5));
+  const int64_t numel = p_in.numel();
+  Tensors tensors{p_in, maximize ? g_in.neg() : g_in, first_in};
+  if (factored) {
+    tensors.push_back(second_in);
+  }
+  Staged ops(tensors, factored ? 0b1101 : 0b101, Staged::kContiguous);
+  scalar_t* p = ops.data<scalar_t>(0);
+  const scalar_t* g = ops.data<scalar_t>(1);
+  const LerpWeight<opmath_t> w(one_minus_beta2_t);
+  AdafactorRow<scalar_t> row{C::in_dtype(eps1 * eps1), static_cast<opmath_t>(1.0 - lr * weight_decay),
+                             opmath_t(0), weight_decay != 0.0};
+  // The norm of a reduction as torch returns it: in the dtype, read as a Python float.
+  auto as_dtype = [](double x) { return static_cast<double>(static_cast<scalar_t>(x)); };
+  double param_squares = 0.0;
+  double update_squares = 0.0;
+  if (factored) {
+    const int64_t cols = p_in.size(-1);
+    const int64_t rows = p_in.size(-2);
+    const int64_t batches = numel / std::max<int64_t>(1, rows * cols);
+    scalar_t* row_var = ops.data<scalar_t>(2);
+    scalar_t* col_var = ops.data<scalar_t>(3);
+    // (1) Row and column sums of g^2, and the parameter's sum of squares.
+    std::vector<double> row_sums(batches * rows);
+    PerThread col_parts(batches * cols + 1);
+    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, cols));
+    at::parallel_for(0, batches * rows, grain, [&](int64_t begin, int64_t end) {
+      double* part = col_parts.mine();
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gr = g + r * cols;
+        row_sums[r] = sum_squares(gr, cols);
+        double* col = part + (r / rows) * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          const double v = static_cast<double>(gr[j]);
+          col[j] += v * v;
+        }
+        part[batches * cols] += sum_squares(p + r * cols, cols);
+      }
+    });
+    const std::vector<double> col_sums = col_parts.total();
+    param_squares = col_sums[batches * cols];
+    // The means of g^2 as torch computes them (norm, squared, divided), into the averages.
+    auto average = [&](scalar_t* var, double sum, int64_t count) {
+      opmath_t mean = static_cast<opmath_t>(as_dtype(std::sqrt(sum)));
+      mean = C::r(mean * mean);
+      mean = C::r(mean / static_cast<opmath_t>(count));
+      *var = static_cast<scalar_t>(C::lerp(static_cast<opmath_t>(*var), mean, w.w, w.w_m1, w.small));
+    };
+    for (int64_t r = 0; r < batches * rows; ++r) {
+      average(row_var + r, row_sums[r], cols);
+    }
+    for (int64_t k = 0; k < batches * cols; ++k) {
+      average(col_var + k, col_sums[k], rows);
+    }
+    // Each batch's mean of the row averages (clamped at eps1) divides its estimates.
+    std::vector<opmath_t> row_var_means(batches);
+    for (int64_t b = 0; b < batches; ++b) {
+      double sum = 0.0;
+      for (int64_t r = 0; r < rows; ++r) {
+        sum += static_cast<double>(row_var[b * rows + r]);
+      }
+      const opmath_t mean = static_cast<opmath_t>(as_dtype(sum / static_cast<double>(rows)));
+      row_var_means[b] = std::isnan(mean) ? mean : std::max(mean, C::in_dtype(eps1));
+    }
+    // (2) the update's sum of squares, then (3) the update.
+    auto pass = [&](bool apply) {
+      PerThread parts(1);
+      at::parallel_for(0, batches * rows, grain, [&](int64_t begin, int64_t end) {
+        double* part = parts.mine();
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t b = r / rows;
+          const opmath_t rv = static_cast<opmath_t>(row_var[r]);
+          const opmath_t mean = row_var_means[b];
+          const scalar_t* cv = col_var + b * cols;
+          auto estimate_at = [&](auto* e, int64_t j) {
+            using V = std::remove_pointer_t<decltype(e)>;
+            V c;
+            load_as<scalar_t, opmath_t>(&c, cv + j);
+            *e = C::r(C::r(splat(rv, c) * c) / splat(mean, c));
+          };
+          part[0] += row.run(p + r * cols, g + r * cols, cols, apply, estimate_at);
+        }
+      });
+      return parts.total()[0];
+    };
+    update_squares = pass(false);
+    const double u_rms = as_dtype(std::sqrt(update_squares)) / (std::pow(static_cast<double>(numel), 0.5) * d);
+    const double alpha = std::max(eps2, as_dtype(std::sqrt(param_squares)) / std::pow(static_cast<double>(numel), 0.5)) * rho_t;
+    row.scale = C::in_dtype(-alpha / std::max(1.0, u_rms));
+    pass(true);
+  } else {
+    scalar_t* variance = ops.data<scalar_t>(2);
+    // (1) the new variance, the parameter's and the update's sums of squares.
+    PerThread parts(2);
+    at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+      double* part = parts.mine();
+      part[0] += sum_squares(p + begin, end - begin);
+      for (int64_t j = begin; j < end; ++j) {
+        const opmath_t gj = static_cast<opmath_t>(g[j]);
+        const opmath_t square = C::r(gj * gj);
+        variance[j] = static_cast<scalar_t>(
+            C::lerp(static_cast<opmath_t>(variance[j]), square, w.w, w.w_m1, w.small));
+      }
+      auto estimate_at = [&](auto* e, int64_t j) {
+        using V = std::remove_pointer_t<decltype(e)>;
+        load_as<scalar_t, opmath_t>(e, variance + begin + j);
+      };
+      part[1] += row.run(p + begin, g + begin, end - begin, false, estimate_at);
+    });
+    const std::vector<double> sums = parts.total();
+    param_squares = sums[0];
+    update_squares = sums[1];
+    const double u_rms = as_dtype(std::sqrt(update_squares)) / (std::pow(static_cast<double>(numel), 0.5) * d);
+    const double alpha = std::max(eps2, as_dtype(std::sqrt(param_squares)) / std::pow(static_cast<double>(numel), 0.5)) * rho_t;
+    row.scale = C::in_dtype(-alpha / std::max(1.0, u_rms));
+    // (2) the update.
+    at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+      auto estimate_at = [&](auto* e, int64_t j) {
+        load_as<scalar_t, opmath_t>(e, variance + begin + j);
+      };
+      row.run(p + begin, g + begin, end - begin, true, estimate_at);
+    });
+  }
+  ops.finish();
+}
+
+void adafactor(at::TensorList params, at::TensorList grads, at::TensorList steps,
+               at::TensorList firsts, at::TensorList seconds, double lr, double beta2_decay,
+               double eps1, double eps2, double d, double weight_decay, bool maximize,
+               bool factored) {
+  constexpr const char* name = "adafactor_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"firsts", firsts},
+                             {"seconds", seconds}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    TORCH_CHECK(factored == (p.dim() > 1), "distopt_kernels::adafactor_: params[", i, "] of ",
+                p.dim(), " dimensions in a set with factored=", factored);
+    if (factored) {
+      auto row_shape = p.sizes().vec();
+      auto col_shape = p.sizes().vec();
+      row_shape[p.dim() - 1] = 1;
+      col_shape[p.dim() - 2] = 1;
+      TORCH_CHECK(firsts[i].sizes() == at::IntArrayRef(row_shape) &&
+                      seconds[i].sizes() == at::IntArrayRef(col_shape) &&
+                      firsts[i].scalar_type() == p.scalar_type() &&
+                      seconds[i].scalar_type() == p.scalar_type() && firsts[i].device().is_cpu() &&
+                      seconds[i].device().is_cpu(),
+                  "distopt_kernels::adafactor_: row_var[", i, "] ", firsts[i].sizes(),
+                  " and col_var ", seconds[i].sizes(), " for a parameter of ", p.sizes());
+    } else {
+      check_like(name, "variances", i, firsts[i], p);
+    }
+    const double t = advance(name, i, steps[i]);
+    DISTOPT_DISPATCH(p, name, [&] {
+      adafactor_one<scalar_t>(p, grads[i], firsts[i], seconds[i], factored, lr, beta2_decay, t,
+                              eps1, eps2, d, weight_decay, maximize);
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(distopt_kernels, m) {
+  m.def("adadelta_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] square_avgs, Tensor(d!)[] acc_deltas, float lr, float rho, float eps, "
+        "float weight_decay, bool maximize) -> ()",
+        &adadelta);
+  m.def("adamax_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_infs, float lr, float beta1, float beta2, "
+        "float eps, float weight_decay, bool maximize) -> ()",
+        &adamax);
+  m.def("rmsprop_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] square_avgs, Tensor(d!)[] momentum_buffers, Tensor(e!)[] grad_avgs, "
+        "float lr, float alpha, float eps, float weight_decay, float momentum, bool centered, "
+        "bool maximize) -> ()",
+        &rmsprop);
+  m.def("rprop_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, Tensor(c!)[] prevs, "
+        "Tensor(d!)[] step_sizes, float etaminus, float etaplus, float step_size_min, "
+        "float step_size_max, bool maximize) -> ()",
+        &rprop);
+  m.def("nadam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] mu_products, Tensor(d!)[] exp_avgs, Tensor(e!)[] exp_avg_sqs, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, float momentum_decay, "
+        "bool decoupled_weight_decay, bool maximize) -> ()",
+        &nadam);
+  m.def("radam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, float lr, float beta1, float beta2, "
+        "float eps, float weight_decay, bool decoupled_weight_decay, bool maximize) -> ()",
+        &radam);
+  m.def("asgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, Tensor(c!)[] etas, "
+        "Tensor(d!)[] mus, Tensor(e!)[] axs, float lr, float lambd, float alpha, float t0, "
+        "float weight_decay, bool maximize) -> ()",
+        &asgd);
+  m.def("adafactor_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] firsts, Tensor(d!)[] seconds, float lr, float beta2_decay, float eps1, "
+        "float eps2, float d, float weight_decay, bool maximize, bool factored) -> ()",
+        &adafactor);
+}
