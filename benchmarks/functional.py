@@ -23,9 +23,13 @@ kernels both counted). The machine line names the GPU, torch and CUDA. The issue
 figures are Adam's rows: on 1 x 100M "distopt compiled ms" against "torch fused ms" and
 "vs floor", on 10000 x 1024 "flat vs torch fastest".
 
+``--kernels``: the functional optimizers of ``functional._kernels.INEXACT_KERNELS``
+(Adadelta, Adafactor, NAdam, RMSprop), whose fused CPU kernel is off by default, built with
+``foreach=False``, which turns it on (the other classes run theirs by default).
+
 Run: ``python benchmarks/functional.py [--device cpu|cuda] [--repeats N] [--only Adam,SGD]
-[--threads N] [--markdown]``; the report goes to stdout (with ``--markdown``, the machine line
-is a paragraph apart from the table), logs to stderr.
+[--threads N] [--kernels] [--markdown]``; the report goes to stdout (with ``--markdown``, the
+machine line is a paragraph apart from the table), logs to stderr.
 """
 import argparse
 import logging
@@ -58,6 +62,7 @@ from functional import (  # noqa: E402
     functional_optim_map,
     script_optimizer,
 )
+from functional._kernels import INEXACT_KERNELS  # noqa: E402
 
 logger = logging.getLogger("benchmarks.functional")
 
@@ -146,13 +151,16 @@ def torch_step(cls: type, shapes, kwargs, impl: Dict[str, bool],
 
 
 def functional_step(cls: type, shapes, kwargs, device: torch.device,
-                    flat: bool = False) -> Tuple[Callable[[], None], int]:
+                    flat: bool = False, kernels: bool = False) -> Tuple[Callable[[], None], int]:
     """One compiled functional step on ``device``, and the bytes of optimizer state it
     updates; ``flat``: with ``flatten_parameters`` (the gathering of the gradients into the
-    flat buffer is part of every step)."""
+    flat buffer is part of every step); ``kernels``: ``foreach=False`` for the classes of
+    ``INEXACT_KERNELS`` (their fused CPU kernel)."""
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, generator=gen, device=device) for s in shapes]
     grads = _gradients(shapes, cls is torch.optim.SparseAdam, gen, device)
+    if kernels and cls.__name__ in INEXACT_KERNELS:
+        kwargs = dict(kwargs, foreach=False)
     optim = functional_optim_map[cls](params, **kwargs)
     if flat:
         flatten_parameters(optim)
@@ -196,6 +204,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--markdown", action="store_true",
                         help="markdown only: the machine line a paragraph apart from the table")
+    parser.add_argument("--kernels", action="store_true",
+                        help="foreach=False for Adadelta, Adafactor, NAdam and RMSprop: their "
+                             "fused CPU kernels, off by default")
     add_device_argument(parser)
     args = parser.parse_args()
     check_device(parser, args.device)
@@ -213,7 +224,8 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbs(copied, device)
     print(f"machine: {machine(args.device)}; torch {torch.__version__}; "
           f"{torch.get_num_threads()} threads; {device.type} copy bandwidth {bandwidth:.1f} GB/s "
-          f"({copied * 4 / 2**20:.0f} MiB into as many)")
+          f"({copied * 4 / 2**20:.0f} MiB into as many)"
+          f"{'; --kernels (foreach=False for ' + ', '.join(INEXACT_KERNELS) + ')' if args.kernels else ''}")
     if args.markdown:
         print()
     header = ("| algorithm | params | torch default ms | torch foreach ms | torch fused ms "
@@ -235,9 +247,11 @@ def main() -> None:
                 step = torch_step(cls, shapes, kwargs, impl, device)
                 if step is not None:
                     steps[name] = step
-            steps["distopt"], state_bytes = functional_step(cls, shapes, kwargs, device)
+            steps["distopt"], state_bytes = functional_step(cls, shapes, kwargs, device,
+                                                            kernels=args.kernels)
             if functional_optim_map[cls].__name__ in FLAT_CLASSES and case is many:
-                steps["flat"], _ = functional_step(cls, shapes, kwargs, device, flat=True)
+                steps["flat"], _ = functional_step(cls, shapes, kwargs, device, flat=True,
+                                                   kernels=args.kernels)
             medians = interleaved_medians(steps, repeats, clock, warmup)
             ours = medians.pop("distopt")
             flat_ms = medians.pop("flat", None)
