@@ -53,6 +53,8 @@ TIMEOUT_S = 20.0
 #: The most one scenario may run on a world before the test fails (no hang survives this).
 LIMIT_S = 240.0
 #: How often the test looks for a rank that died without a result.
+#: The most a hung rank gets to write its stacks before the test fails.
+DUMP_S = 10.0
 POLL_S = 1.0
 #: How long a rank may take to end once told to (then it is killed).
 JOIN_S = 30.0
@@ -88,7 +90,6 @@ def _rank(rank: int, world_size: int, port: int, timeout_s: float, libraries: Li
     # CPU worlds: hide any GPU before torch first asks for one.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     faulthandler.enable(all_threads=True)  # a rank that aborts prints where it was
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung one, when asked
     # A failed world's ranks are told to end with SIGTERM: unwind, then what is left is
     # killed (see ``_native_libraries`` for what a SIGKILL could leave behind).
     signal.signal(signal.SIGTERM, _terminated)
@@ -219,10 +220,13 @@ class World:
                             for r in gone
                         )) from None
                     if time.monotonic() > deadline:
-                        for r in waiting:  # their stacks, to the test's captured stderr
+                        # Their stacks, to the test's captured stderr: faulthandler dumps
+                        # every thread on SIGABRT, then the rank dies; wait for that.
+                        for r in waiting:
                             with contextlib.suppress(OSError):
-                                os.kill(self.procs[r].pid, signal.SIGUSR1)
-                        time.sleep(2.0)
+                                os.kill(self.procs[r].pid, signal.SIGABRT)
+                        for r in waiting:
+                            self.procs[r].join(timeout=DUMP_S)
                         raise AssertionError(
                             f"ranks {sorted(waiting)} gave no result in {self.limit_s:.0f} s "
                             f"(their stacks are in the test's captured stderr)"

@@ -333,7 +333,7 @@ def _steps_without_kernels(path: str) -> None:
     torch.save(_run_classes(), path)
 
 
-@pytest.mark.skipif(os.environ.get("DISTOPT_NATIVE") == "0", reason="compares with the kernels")
+@kernels_only
 def test_without_the_kernels_the_foreach_path_gives_the_same_results(tmp_path) -> None:
     """DISTOPT_NATIVE=0 (as without a compiler): nothing built, the TorchScript steps compile
     without the ops and run the foreach path; float32 within the sqrt allowance, bfloat16 bit
