@@ -1001,8 +1001,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
 
         if self._eager is not None:
             eager_state = state_dict["state"]
-            if self.shard is not None:
-                own_of(eager_state, True)
 
             def load_eager() -> None:
                 adopt_layout()

@@ -157,6 +157,36 @@ def _train(model: torch.nn.Module, opt: Any, part: List[Any]) -> None:
         opt.step()
 
 
+def _resumed(make: Any, save: Any, load: Any, batches: List[Any], split: int) -> Dict[str, Any]:
+    """Train ``make(model)`` on ``batches[:split]``, ``save(opt)``, train on the rest; then a
+    new model with the saved parameters and a new optimizer that ``load(opt, saved)``s
+    before its first step trains on the rest too: whether both end equal, the saved
+    state, and the layouts (saved; the new one's as built, after loading, at the end)."""
+    model = _model()
+    opt = make(model)
+    _train(model, opt, batches[:split])
+    saved = save(opt)
+    saved_params = [p.detach().clone() for p in model.parameters()]
+    saved_layout = opt.bucket_layout()
+    _train(model, opt, batches[split:])
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    opt.close()
+    model = _model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), saved_params):
+            p.copy_(v)
+    resumed = make(model)
+    before = resumed.bucket_layout()
+    load(resumed, saved)
+    after = resumed.bucket_layout()
+    _train(model, resumed, batches[split:])
+    again = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    final = resumed.bucket_layout()
+    resumed.close()
+    return {"equal": bool(torch.equal(straight, again)), "saved": saved,
+            "saved_layout": saved_layout, "before": before, "after": after, "final": final}
+
+
 def _eager_class(cls: type) -> type:
     """A subclass of ``cls`` with no functional twin: it steps eagerly."""
     return type(f"Eager{cls.__name__}", (cls,), {})
@@ -241,32 +271,12 @@ def powersgd_resume(rank: int, world_size: int) -> Dict[str, Any]:
             torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9, bucket_cap_mb=CAP_MB,
             compression=PowerSGD(rank=2, start_iter=2, min_compression_rate=0.5))
 
-    model = _model()
-    opt = make(model)
-    _train(model, opt, batches[:4])
-    saved = copy.deepcopy(opt.state_dict())
-    saved_params = [p.detach().clone() for p in model.parameters()]
-    layout = opt.bucket_layout()
-    _train(model, opt, batches[4:])
-    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    opt.close()
-
-    resumed_model = _model()
-    with torch.no_grad():
-        for p, v in zip(resumed_model.parameters(), saved_params):
-            p.copy_(v)
-    resumed = make(resumed_model)
-    before = resumed.bucket_layout()
-    resumed.load_state_dict(saved)
-    after = resumed.bucket_layout()
-    _train(resumed_model, resumed, batches[4:])
-    again = torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()])
-    final_layout = resumed.bucket_layout()
-    resumed.close()
+    got = _resumed(make, lambda opt: copy.deepcopy(opt.state_dict()),
+                   lambda opt, saved: opt.load_state_dict(saved), batches, 4)
     return {
-        "saved_layout": layout, "before": before, "after": after, "final": final_layout,
-        "equal": bool(torch.equal(straight, again)),
-        "error_entries": len(saved["compression"]["error_dict"]),
+        "saved_layout": got["saved_layout"], "before": got["before"], "after": got["after"],
+        "final": got["final"], "equal": got["equal"],
+        "error_entries": len(got["saved"]["compression"]["error_dict"]),
     }
 
 
@@ -387,28 +397,10 @@ def habits(rank: int, world_size: int, path: str) -> Dict[str, Any]:
             torch.optim.AdamW, model.parameters(), lr=0.01, fused=True, shard="flat",
             bucket_cap_mb=CAP_MB)
 
-    model = _model()
-    opt = make(model)
-    _train(model, opt, batches[:2])
-    opt.save(path)
-    saved = [p.detach().clone() for p in model.parameters()]
-    _train(model, opt, batches[2:])
-    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    opt.close()
-    model = _model()
-    with torch.no_grad():
-        for p, v in zip(model.parameters(), saved):
-            p.copy_(v)
-    resumed = make(model)
-    built = resumed.bucket_layout()
-    resumed.load(path)
-    _train(model, resumed, batches[2:])
-    out["checkpoint"] = {
-        "equal": torch.equal(straight, torch.cat([p.detach().reshape(-1)
-                                                  for p in model.parameters()])),
-        "rebuilt_after_load": resumed.bucket_layout() != built,
-    }
-    resumed.close()
+    got = _resumed(make, lambda opt: opt.save(path), lambda opt, _: opt.load(path),
+                   batches, 2)
+    out["checkpoint"] = {"equal": got["equal"],
+                         "rebuilt_after_load": got["final"] != got["before"]}
     return out
 
 
