@@ -24,8 +24,8 @@ figures are Adam's rows: on 1 x 100M "distopt compiled ms" against "torch fused 
 "vs floor", on 10000 x 1024 "flat vs torch fastest".
 
 ``--kernels``: the functional optimizers of ``functional._kernels.INEXACT_KERNELS``
-(Adadelta, Adafactor, NAdam, RMSprop), whose fused CPU kernel is off by default, built with
-``foreach=False``, which turns it on (the other classes run theirs by default).
+(Adafactor), whose fused CPU kernel is off by default, built with ``foreach=False``, which
+turns it on (the other classes run theirs by default).
 
 Run: ``python benchmarks/functional.py [--device cpu|cuda] [--repeats N] [--only Adam,SGD]
 [--threads N] [--kernels] [--markdown]``; the report goes to stdout (with ``--markdown``, the
@@ -205,8 +205,8 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true",
                         help="markdown only: the machine line a paragraph apart from the table")
     parser.add_argument("--kernels", action="store_true",
-                        help="foreach=False for Adadelta, Adafactor, NAdam and RMSprop: their "
-                             "fused CPU kernels, off by default")
+                        help="foreach=False for the classes of functional._kernels.INEXACT_KERNELS "
+                             "(Adafactor): their fused CPU kernels, off by default")
     add_device_argument(parser)
     args = parser.parse_args()
     check_device(parser, args.device)

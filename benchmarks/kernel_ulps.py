@@ -84,7 +84,7 @@ def measure(cls: type, kwargs: Dict[str, Any], dtype: torch.dtype, steps: int):
     ref = [p.clone().requires_grad_() for p in init]
     ref_opt = cls(ref, **kwargs, **REFERENCE.get(cls, {"foreach": True}))
     ours = [p.clone() for p in init]
-    opt = functional_optim_map[cls](ours, **kwargs)
+    opt = functional_optim_map[cls](ours, **kwargs, foreach=False)
     foreach = [p.clone() for p in init]
     foreach_opt = functional_optim_map[cls](foreach, **kwargs, foreach=True)
     if not opt.native:

@@ -42,7 +42,7 @@ _F = TypeVar("_F", bound=Callable[..., None])
 #: The classes whose fused kernel is not bit for bit torch.optim's step (a few ulps: see
 #: ``csrc/elementwise_ops.cpp``): it runs only when asked for with ``foreach=False``, and
 #: the foreach path stays their default, as torch keeps a fused kernel off by default.
-INEXACT_KERNELS = ("Adadelta", "Adafactor", "NAdam", "RMSprop")
+INEXACT_KERNELS = ("Adafactor",)
 
 
 def native_kernels(foreach: Optional[bool], capturable: bool, exact: bool = True) -> bool:

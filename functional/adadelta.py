@@ -158,7 +158,7 @@ class FunctionalAdadelta:
         self.keys = ['step', 'square_avg', 'acc_delta']
         self.fills = [0.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
-        self.native = native_kernels(foreach, self.capturable, exact=False)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:

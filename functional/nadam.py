@@ -222,7 +222,7 @@ class FunctionalNAdam:
         self.keys = ['step', 'mu_product', 'exp_avg', 'exp_avg_sq']
         self.fills = [0.0, 1.0, 0.0, 0.0]
         self.scalars = scalar_places(self.keys, ["step", "mu_product"], self.capturable)
-        self.native = native_kernels(foreach, self.capturable, exact=False)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:

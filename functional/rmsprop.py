@@ -197,7 +197,7 @@ class FunctionalRMSprop:
         self.keys = rmsprop_keys(self.momentum, self.centered)
         self.fills = [0.0 for _ in self.keys]
         self.scalars = scalar_places(self.keys, ["step"], self.capturable)
-        self.native = native_kernels(foreach, self.capturable, exact=False)
+        self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:

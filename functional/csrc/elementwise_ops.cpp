@@ -24,11 +24,12 @@
 // - torch's float16 / bfloat16 add with alpha rounds ``alpha * other`` before adding in its
 //   scalar tail (the elements after the last whole pair of vectors of a thread's range); the
 //   kernels walk each range as torch does (``for_each``) and round the same elements so.
+// - torch's float32 / float64 sqrt runs MKL's vector math where torch has MKL, and its results
+//   are not always correctly rounded (1 in 6 float32 roots, 1 in 80 float64 ones, 1 ulp off).
+//   The kernels call the same MKL functions on blocks of values in cache (``for_each_rooted``).
 //
-// What does not match: torch's float32 / float64 sqrt and rsqrt run on MKL's vector math,
-// which is not correctly rounded (about 1 in 6 results 1 ulp off); the kernels take the
-// correctly rounded square root. Adafactor's norms and means are reductions in another order.
-// benchmarks/kernel_ulps.py measures both: a few units in the last place.
+// What does not match: Adafactor's norms and means are reductions in another order.
+// benchmarks/kernel_ulps.py measures it: a few units in the last place.
 //
 // Any memory layout: operands laid out element for element like the parameter (dense, the
 // same strides) are stepped where they are; otherwise the kernel steps contiguous copies and
@@ -153,6 +154,16 @@ inline T splat(T value, T) { return value; }
 template <typename T>
 inline Vectorized<T> splat(T value, const Vectorized<T>&) { return Vectorized<T>(value); }
 
+// A value (vector or scalar) stored to / loaded from memory of its own type.
+template <typename T>
+inline void store_at(const Vectorized<T>& x, T* dst) { x.store(dst); }
+template <typename T>
+inline void store_at(T x, T* dst) { *dst = x; }
+template <typename T>
+inline void load_at(Vectorized<T>* x, const T* src) { *x = Vectorized<T>::loadu(src); }
+template <typename T>
+inline void load_at(T* x, const T* src) { *x = *src; }
+
 // The arithmetic of one dtype: rounding to it, and the ops whose rounding depends on it.
 template <typename scalar_t>
 struct Ctx {
@@ -204,6 +215,18 @@ struct Ctx {
   template <typename V>
   static V addcdiv(const V& self, const V& t1, const V& t2, opmath_t value) {
     return self + splat(value, self) * t1 / t2;
+  }
+  // The gradient as an update reads it: negated under ``maximize``, plus ``weight_decay * p``
+  // with ``decay`` (coupled weight decay: torch's ``grad.add(param, alpha=weight_decay)``).
+  template <typename V>
+  static V grad(const V& g, const V& p, bool maximize, bool decay, opmath_t weight_decay) {
+    const V s = maximize ? vneg(g) : g;
+    return decay ? r(add(s, p, weight_decay)) : s;
+  }
+  // ``x.mul_(decay).addcmul_(t, t, value=one_minus_decay)``: an average of squares.
+  template <typename V>
+  static V square_average(const V& x, const V& t, opmath_t decay, opmath_t one_minus_decay) {
+    return r(addcmul(r(x * splat(decay, x)), t, t, one_minus_decay));
   }
   // torch.lerp with a scalar weight (``small``: |weight| < 0.5; ``weight_m1``: weight - 1).
   template <typename V>
@@ -280,6 +303,136 @@ void for_each(int64_t n, const std::array<scalar_t*, K>& ptr, const Op& op) {
       }
     }
   });
+}
+
+// ---------------------------------------------------------------------------------------
+// Square roots as torch.sqrt takes them.
+//
+// torch.sqrt of float32 / float64 is MKL's vmsSqrt / vmdSqrt (high accuracy) where torch is
+// built with MKL, and libtorch_cpu exports both; elsewhere, and for float16 / bfloat16, it is
+// at::vec's correctly rounded root, as ``vsqrt`` is. An op that takes roots is split around
+// them: ``before(v, args)`` updates what comes first and puts the values to take the root of in
+// ``args`` (``kRoots`` of them); ``after(v, roots)`` finishes, recomputing from v what it needs.
+
+extern "C" {
+// MKL's 64-bit-index vector math, as libtorch_cpu exports it (weak: absent without MKL).
+void vmsSqrt_64(int64_t n, const float* a, float* r, int64_t mode) __attribute__((weak));
+void vmdSqrt_64(int64_t n, const double* a, double* r, int64_t mode) __attribute__((weak));
+}
+// The mode torch's at::vml passes: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
+constexpr int64_t kVmlMode = 0x2 | 0x140000 | 0x100;
+
+inline bool mkl_sqrt(float* x, int64_t n) {
+  if (vmsSqrt_64 == nullptr) {
+    return false;
+  }
+  vmsSqrt_64(n, x, x, kVmlMode);
+  return true;
+}
+inline bool mkl_sqrt(double* x, int64_t n) {
+  if (vmdSqrt_64 == nullptr) {
+    return false;
+  }
+  vmdSqrt_64(n, x, x, kVmlMode);
+  return true;
+}
+
+// Whether torch.sqrt of this dtype is MKL's here.
+template <typename scalar_t>
+bool sqrt_is_mkl() {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+    return at::hasMKL() && (std::is_same_v<scalar_t, float> ? vmsSqrt_64 != nullptr : vmdSqrt_64 != nullptr);
+  } else {
+    return false;
+  }
+}
+
+// before, correctly rounded roots, after: one op for ``for_each``.
+template <typename scalar_t, typename Op>
+struct RootedInPlace {
+  const Op& op;
+  template <typename V>
+  void operator()(V* v) const {
+    V a[Op::kRoots];
+    op.before(v, a);
+    for (int r = 0; r < Op::kRoots; ++r) {
+      a[r] = Ctx<scalar_t>::r(vsqrt(a[r]));
+    }
+    op.after(v, a);
+  }
+};
+
+// ``for_each`` of an op split around its roots. With MKL roots (float32 / float64), each range
+// goes in blocks of kBlock elements: ``before`` over the block (its values stored, the root
+// arguments kept in a buffer), MKL's roots of the buffer, ``after`` over the block, which is
+// still in cache.
+template <typename scalar_t, int K, uint32_t Written, typename Op>
+void for_each_rooted(int64_t n, const std::array<scalar_t*, K>& ptr, const Op& op) {
+  if constexpr (Ctx<scalar_t>::reduced) {
+    for_each<scalar_t, K, Written>(n, ptr, RootedInPlace<scalar_t, Op>{op});
+  } else {
+    if (!sqrt_is_mkl<scalar_t>()) {
+      for_each<scalar_t, K, Written>(n, ptr, RootedInPlace<scalar_t, Op>{op});
+      return;
+    }
+    using Vec = Vectorized<scalar_t>;
+    constexpr int R = Op::kRoots;
+    constexpr int64_t kBlock = 512;
+    at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+      alignas(64) scalar_t buf[R][kBlock];
+      // ``body(v, j)`` on each element (vector or scalar) of [b, b + len), the written operands
+      // stored back.
+      auto walk = [&](int64_t b, int64_t len, auto&& body) {
+        int64_t j = 0;
+        for (; j + Vec::size() <= len; j += Vec::size()) {
+          Vec v[K];
+          for (int k = 0; k < K; ++k) {
+            v[k] = Vec::loadu(ptr[k] + b + j);
+          }
+          body(v, j);
+          for (int k = 0; k < K; ++k) {
+            if (Written & (1u << k)) {
+              v[k].store(ptr[k] + b + j);
+            }
+          }
+        }
+        for (; j < len; ++j) {
+          scalar_t s[K];
+          for (int k = 0; k < K; ++k) {
+            s[k] = ptr[k][b + j];
+          }
+          body(s, j);
+          for (int k = 0; k < K; ++k) {
+            if (Written & (1u << k)) {
+              ptr[k][b + j] = s[k];
+            }
+          }
+        }
+      };
+      for (int64_t b = begin; b < end; b += kBlock) {
+        const int64_t len = std::min(kBlock, end - b);
+        walk(b, len, [&](auto* v, int64_t j) {
+          using V = std::remove_pointer_t<decltype(v)>;
+          V a[R];
+          op.before(v, a);
+          for (int r = 0; r < R; ++r) {
+            store_at(a[r], buf[r] + j);
+          }
+        });
+        for (int r = 0; r < R; ++r) {
+          mkl_sqrt(buf[r], len);
+        }
+        walk(b, len, [&](auto* v, int64_t j) {
+          using V = std::remove_pointer_t<decltype(v)>;
+          V roots[R];
+          for (int r = 0; r < R; ++r) {
+            load_at(&roots[r], buf[r] + j);
+          }
+          op.after(v, roots);
+        });
+      }
+    });
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -428,6 +581,40 @@ double advance(const char* name, size_t i, const at::Tensor& step) {
 #define DISTOPT_DISPATCH(t, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (t).scalar_type(), name, __VA_ARGS__)
 
+// Every parameter of a kernel whose operands are p, g and two states (``a``, ``b``): their
+// checks, the step count, then the op ``make(scalar_t(), i, t)`` returns for the dtype (i the
+// parameter, t its new step count) over the operands. An op with roots (``kRoots``) goes
+// through ``for_each_rooted``.
+template <typename Make>
+void step_each(const char* name, at::TensorList params, at::TensorList grads,
+               at::TensorList steps, std::pair<const char*, at::TensorList> a,
+               std::pair<const char*, at::TensorList> b, const Make& make) {
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, a, b});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    check_like(name, a.first, i, a.second[i], p);
+    check_like(name, b.first, i, b.second[i], p);
+    const double t = advance(name, i, steps[i]);
+    Staged ops({p, grads[i], a.second[i], b.second[i]}, 0b1101);
+    DISTOPT_DISPATCH(p, "distopt_kernels", [&] {
+      const auto op = make(scalar_t(), i, t);
+      const std::array<scalar_t*, 4> ptr{ops.data<scalar_t>(0), ops.data<scalar_t>(1),
+                                         ops.data<scalar_t>(2), ops.data<scalar_t>(3)};
+      if constexpr (decltype(op)::kRoots > 0) {
+        for_each_rooted<scalar_t, 4, 0b1101>(p.numel(), ptr, op);
+      } else {
+        for_each<scalar_t, 4, 0b1101>(p.numel(), ptr, op);
+      }
+    });
+    ops.finish();
+  }
+}
+
+// The opmath type of a dtype tag.
+template <typename scalar_t>
+using opmath_of = at::opmath_type<scalar_t>;
+
 // ---------------------------------------------------------------------------------------
 // Adadelta: operands p, g, square_avg, acc_delta.
 
@@ -437,52 +624,38 @@ struct AdadeltaOp {
   using opmath_t = typename C::opmath_t;
   opmath_t rho, one_minus_rho, eps, weight_decay, neg_lr;
   bool maximize, decay;
+  static constexpr int kRoots = 2;
+
+  // The roots of square_avg + eps (std) and acc_delta + eps (delta).
+  template <typename V>
+  void before(V* v, V* args) const {
+    const V g = C::grad(v[1], v[0], maximize, decay, weight_decay);
+    v[2] = C::square_average(v[2], g, rho, one_minus_rho);
+    args[0] = C::r(v[2] + splat(eps, g));
+    args[1] = C::r(v[3] + splat(eps, g));
+  }
 
   template <typename V>
-  void operator()(V* v) const {
-    V& p = v[0];
-    V g = maximize ? vneg(v[1]) : v[1];
-    V& sq = v[2];
-    V& acc = v[3];
-    if (decay) {
-      g = C::r(C::add(g, p, weight_decay));
-    }
-    sq = C::r(sq * splat(rho, p));
-    sq = C::r(C::addcmul(sq, g, g, one_minus_rho));
-    V std_ = C::r(vsqrt(C::r(sq + splat(eps, p))));
-    V delta = C::r(vsqrt(C::r(acc + splat(eps, p))));
-    delta = C::r(delta / std_);
+  void after(V* v, const V* roots) const {
+    const V g = C::grad(v[1], v[0], maximize, decay, weight_decay);
+    V delta = C::r(roots[1] / roots[0]);
     delta = C::r(delta * g);
-    acc = C::r(acc * splat(rho, p));
-    acc = C::r(C::addcmul(acc, delta, delta, one_minus_rho));
-    p = C::r(C::add(p, delta, neg_lr));
+    v[3] = C::square_average(v[3], delta, rho, one_minus_rho);
+    v[0] = C::r(C::add(v[0], delta, neg_lr));
   }
 };
 
 void adadelta(at::TensorList params, at::TensorList grads, at::TensorList steps,
               at::TensorList square_avgs, at::TensorList acc_deltas, double lr, double rho,
               double eps, double weight_decay, bool maximize) {
-  constexpr const char* name = "adadelta_";
-  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"square_avgs", square_avgs},
-                             {"acc_deltas", acc_deltas}});
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    check_like(name, "grads", i, grads[i], p);
-    check_like(name, "square_avgs", i, square_avgs[i], p);
-    check_like(name, "acc_deltas", i, acc_deltas[i], p);
-    advance(name, i, steps[i]);
-    Staged ops({p, grads[i], square_avgs[i], acc_deltas[i]}, 0b1101);
-    DISTOPT_DISPATCH(p, name, [&] {
-      using C = Ctx<scalar_t>;
-      using opmath_t = typename C::opmath_t;
-      AdadeltaOp<scalar_t> op{C::in_dtype(rho), static_cast<opmath_t>(1.0 - rho),
-                              C::in_dtype(eps), C::in_dtype(weight_decay), C::in_dtype(-lr),
-                              maximize, weight_decay != 0.0};
-      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
-                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
-    });
-    ops.finish();
-  }
+  step_each("adadelta_", params, grads, steps, {"square_avgs", square_avgs},
+            {"acc_deltas", acc_deltas}, [&](auto tag, size_t, double) {
+    using scalar_t = decltype(tag);
+    using C = Ctx<scalar_t>;
+    return AdadeltaOp<scalar_t>{C::in_dtype(rho), static_cast<opmath_of<scalar_t>>(1.0 - rho),
+                                C::in_dtype(eps), C::in_dtype(weight_decay), C::in_dtype(-lr),
+                                maximize, weight_decay != 0.0};
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -495,16 +668,14 @@ struct AdamaxOp {
   LerpWeight<opmath_t> w;
   opmath_t beta2, eps, weight_decay, step_size;
   bool maximize, decay;
+  static constexpr int kRoots = 0;
 
   template <typename V>
   void operator()(V* v) const {
     V& p = v[0];
-    V g = maximize ? vneg(v[1]) : v[1];
+    const V g = C::grad(v[1], p, maximize, decay, weight_decay);
     V& m = v[2];
     V& u = v[3];
-    if (decay) {
-      g = C::r(C::add(g, p, weight_decay));
-    }
     m = C::r(C::lerp(m, g, w.w, w.w_m1, w.small));
     u = C::r(u * splat(beta2, p));
     const V norm = C::r(vabs(g) + splat(eps, p));
@@ -516,28 +687,16 @@ struct AdamaxOp {
 void adamax(at::TensorList params, at::TensorList grads, at::TensorList steps,
             at::TensorList exp_avgs, at::TensorList exp_infs, double lr, double beta1,
             double beta2, double eps, double weight_decay, bool maximize) {
-  constexpr const char* name = "adamax_";
-  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"exp_avgs", exp_avgs},
-                             {"exp_infs", exp_infs}});
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    check_like(name, "grads", i, grads[i], p);
-    check_like(name, "exp_avgs", i, exp_avgs[i], p);
-    check_like(name, "exp_infs", i, exp_infs[i], p);
-    const double t = advance(name, i, steps[i]);
-    const double step_size = -(lr / (1.0 - std::pow(beta1, t)));
-    Staged ops({p, grads[i], exp_avgs[i], exp_infs[i]}, 0b1101);
-    DISTOPT_DISPATCH(p, name, [&] {
-      using C = Ctx<scalar_t>;
-      using opmath_t = typename C::opmath_t;
-      AdamaxOp<scalar_t> op{LerpWeight<opmath_t>(1.0 - beta1), C::in_dtype(beta2),
-                            C::in_dtype(eps), C::in_dtype(weight_decay),
-                            static_cast<opmath_t>(step_size), maximize, weight_decay != 0.0};
-      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
-                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
-    });
-    ops.finish();
-  }
+  step_each("adamax_", params, grads, steps, {"exp_avgs", exp_avgs}, {"exp_infs", exp_infs},
+            [&](auto tag, size_t, double t) {
+    using scalar_t = decltype(tag);
+    using C = Ctx<scalar_t>;
+    using opmath_t = opmath_of<scalar_t>;
+    return AdamaxOp<scalar_t>{LerpWeight<opmath_t>(1.0 - beta1), C::in_dtype(beta2),
+                              C::in_dtype(eps), C::in_dtype(weight_decay),
+                              static_cast<opmath_t>(-(lr / (1.0 - std::pow(beta1, t)))),
+                              maximize, weight_decay != 0.0};
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -551,26 +710,28 @@ struct RmspropOp {
   opmath_t alpha, one_minus_alpha, eps, weight_decay, momentum, lr_scaled;
   LerpWeight<opmath_t> w;
   bool maximize, decay;
+  static constexpr int kRoots = 1;
 
+  // The root of square_avg (centered: less grad_avg^2).
   template <typename V>
-  void operator()(V* v) const {
-    V& p = v[0];
-    V g = maximize ? vneg(v[1]) : v[1];
+  void before(V* v, V* args) const {
+    const V g = C::grad(v[1], v[0], maximize, decay, weight_decay);
     V& sq = v[2];
-    if (decay) {
-      g = C::r(C::add(g, p, weight_decay));
-    }
-    sq = C::r(sq * splat(alpha, p));
-    sq = C::r(C::addcmul(sq, g, g, one_minus_alpha));
-    V avg;
+    sq = C::square_average(sq, g, alpha, one_minus_alpha);
     if constexpr (Centered) {
       V& grad_avg = v[Momentum ? 4 : 3];
       grad_avg = C::r(C::lerp(grad_avg, g, w.w, w.w_m1, w.small));
-      avg = C::r(vsqrt(C::r(C::addcmul(sq, grad_avg, grad_avg, opmath_t(-1)))));
+      args[0] = C::r(C::addcmul(sq, grad_avg, grad_avg, opmath_t(-1)));
     } else {
-      avg = C::r(vsqrt(sq));
+      args[0] = sq;
     }
-    avg = C::r(avg + splat(eps, p));
+  }
+
+  template <typename V>
+  void after(V* v, const V* roots) const {
+    const V g = C::grad(v[1], v[0], maximize, decay, weight_decay);
+    V& p = v[0];
+    const V avg = C::r(roots[0] + splat(eps, p));
     if constexpr (Momentum) {
       V& buf = v[3];
       buf = C::r(buf * splat(momentum, p));
@@ -628,7 +789,7 @@ void rmsprop(at::TensorList params, at::TensorList grads, at::TensorList steps,
         for (int k = 0; k < K; ++k) {
           ptr[k] = ops.data<scalar_t>(k);
         }
-        for_each<scalar_t, K, ((1u << K) - 1) & ~2u>(n, ptr, op);
+        for_each_rooted<scalar_t, K, ((1u << K) - 1) & ~2u>(n, ptr, op);
       };
       if (with_momentum && centered) {
         run(std::true_type{}, std::true_type{});
@@ -653,6 +814,7 @@ struct RpropOp {
   using opmath_t = typename C::opmath_t;
   opmath_t etaminus, etaplus, step_size_min, step_size_max;
   bool maximize;
+  static constexpr int kRoots = 0;
 
   template <typename V>
   void operator()(V* v) const {
@@ -677,25 +839,13 @@ struct RpropOp {
 void rprop(at::TensorList params, at::TensorList grads, at::TensorList steps,
            at::TensorList prevs, at::TensorList step_sizes, double etaminus, double etaplus,
            double step_size_min, double step_size_max, bool maximize) {
-  constexpr const char* name = "rprop_";
-  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"prevs", prevs},
-                             {"step_sizes", step_sizes}});
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    check_like(name, "grads", i, grads[i], p);
-    check_like(name, "prevs", i, prevs[i], p);
-    check_like(name, "step_sizes", i, step_sizes[i], p);
-    advance(name, i, steps[i]);
-    Staged ops({p, grads[i], prevs[i], step_sizes[i]}, 0b1101);
-    DISTOPT_DISPATCH(p, name, [&] {
-      using C = Ctx<scalar_t>;
-      RpropOp<scalar_t> op{C::in_dtype(etaminus), C::in_dtype(etaplus),
-                           C::in_dtype(step_size_min), C::in_dtype(step_size_max), maximize};
-      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
-                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
-    });
-    ops.finish();
-  }
+  step_each("rprop_", params, grads, steps, {"prevs", prevs}, {"step_sizes", step_sizes},
+            [&](auto tag, size_t, double) {
+    using C = Ctx<decltype(tag)>;
+    return RpropOp<decltype(tag)>{C::in_dtype(etaminus), C::in_dtype(etaplus),
+                                  C::in_dtype(step_size_min), C::in_dtype(step_size_max),
+                                  maximize};
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -709,21 +859,25 @@ struct Moments {
   opmath_t beta2, one_minus_beta2, weight_decay, decay_factor;
   bool maximize, decoupled, decay;
 
-  // g (signed, decayed), and p, m, v updated in place.
+  // The gradient signed and (not decoupled) decayed; p is the same before and after ``update``
+  // wherever this reads it.
   template <typename V>
-  V update(V& p, const V& grad, V& m, V& v) const {
-    V g = maximize ? vneg(grad) : grad;
-    if (decay) {
-      if (decoupled) {
-        p = C::r(p * splat(decay_factor, p));
-      } else {
-        g = C::r(C::add(g, p, weight_decay));
-      }
+  V signed_decayed(const V& p, const V& grad) const {
+    return C::grad(grad, p, maximize, decay && !decoupled, weight_decay);
+  }
+
+  // Operands p, g, exp_avg (m), exp_avg_sq (v): p (decoupled decay), m and v updated in
+  // place; the root of v is taken.
+  static constexpr int kRoots = 1;
+  template <typename V>
+  void before(V* v, V* args) const {
+    if (decay && decoupled) {
+      v[0] = C::r(v[0] * splat(decay_factor, v[0]));
     }
-    m = C::r(C::lerp(m, g, w.w, w.w_m1, w.small));
-    v = C::r(v * splat(beta2, p));
-    v = C::r(C::addcmul(v, g, g, one_minus_beta2));
-    return g;
+    const V g = signed_decayed(v[0], v[1]);
+    v[2] = C::r(C::lerp(v[2], g, w.w, w.w_m1, w.small));
+    v[3] = C::square_average(v[3], g, beta2, one_minus_beta2);
+    args[0] = v[3];
   }
 };
 
@@ -740,18 +894,15 @@ Moments<scalar_t> moments(double lr, double beta1, double beta2, double weight_d
 
 // NAdam: operands p, g, exp_avg, exp_avg_sq.
 template <typename scalar_t>
-struct NadamOp {
+struct NadamOp : Moments<scalar_t> {
   using C = Ctx<scalar_t>;
   using opmath_t = typename C::opmath_t;
-  Moments<scalar_t> moments;
   opmath_t bias_correction2_sqrt, eps, grad_size, exp_avg_size;
-
   template <typename V>
-  void operator()(V* v) const {
+  void after(V* v, const V* roots) const {
     V& p = v[0];
-    const V g = moments.update(p, v[1], v[2], v[3]);
-    V denom = C::r(vsqrt(v[3]));
-    denom = C::r(denom / splat(bias_correction2_sqrt, p));
+    const V g = this->signed_decayed(p, v[1]);
+    V denom = C::r(roots[0] / splat(bias_correction2_sqrt, p));
     denom = C::r(denom + splat(eps, p));
     p = C::r(C::addcdiv(p, g, denom, grad_size));
     p = C::r(C::addcdiv(p, v[2], denom, exp_avg_size));
@@ -762,54 +913,38 @@ void nadam(at::TensorList params, at::TensorList grads, at::TensorList steps,
            at::TensorList mu_products, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
            double lr, double beta1, double beta2, double eps, double weight_decay,
            double momentum_decay, bool decoupled_weight_decay, bool maximize) {
-  constexpr const char* name = "nadam_";
-  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"mu_products", mu_products},
-                             {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    check_like(name, "grads", i, grads[i], p);
-    check_like(name, "exp_avgs", i, exp_avgs[i], p);
-    check_like(name, "exp_avg_sqs", i, exp_avg_sqs[i], p);
-    const double t = advance(name, i, steps[i]);
-    const double bias_correction2_sqrt = std::pow(1.0 - std::pow(beta2, t), 0.5);
+  TORCH_CHECK(mu_products.size() == params.size(), "distopt_kernels::nadam_: ", params.size(),
+              " params but ", mu_products.size(), " mu_products");
+  step_each("nadam_", params, grads, steps, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs},
+            [&](auto tag, size_t i, double t) {
+    using scalar_t = decltype(tag);
+    using opmath_t = opmath_of<scalar_t>;
     const double mu = beta1 * (1.0 - 0.5 * std::pow(0.96, t * momentum_decay));
     const double mu_next = beta1 * (1.0 - 0.5 * std::pow(0.96, (t + 1.0) * momentum_decay));
     // mu_product is float32 (or the parameter's dtype after a torch.optim state_dict), as in
     // torch.optim: the step sizes use its rounded value.
-    const double mu_product = Slot(name, "mu_products", i, mu_products[i]).multiply(mu);
-    const double grad_size = -(lr * (1.0 - mu) / (1.0 - mu_product));
-    const double exp_avg_size = -(lr * mu_next / (1.0 - mu_product * mu_next));
-    Staged ops({p, grads[i], exp_avgs[i], exp_avg_sqs[i]}, 0b1101);
-    DISTOPT_DISPATCH(p, name, [&] {
-      using C = Ctx<scalar_t>;
-      using opmath_t = typename C::opmath_t;
-      NadamOp<scalar_t> op{
-          moments<scalar_t>(lr, beta1, beta2, weight_decay, decoupled_weight_decay, maximize),
-          static_cast<opmath_t>(bias_correction2_sqrt), C::in_dtype(eps),
-          static_cast<opmath_t>(grad_size), static_cast<opmath_t>(exp_avg_size)};
-      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
-                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
-    });
-    ops.finish();
-  }
+    const double mu_product = Slot("nadam_", "mu_products", i, mu_products[i]).multiply(mu);
+    return NadamOp<scalar_t>{
+        moments<scalar_t>(lr, beta1, beta2, weight_decay, decoupled_weight_decay, maximize),
+        static_cast<opmath_t>(std::pow(1.0 - std::pow(beta2, t), 0.5)),
+        Ctx<scalar_t>::in_dtype(eps),
+        static_cast<opmath_t>(-(lr * (1.0 - mu) / (1.0 - mu_product))),
+        static_cast<opmath_t>(-(lr * mu_next / (1.0 - mu_product * mu_next)))};
+  });
 }
 
 // RAdam: operands p, g, exp_avg, exp_avg_sq. The factor ``adaptive_size / (sqrt(v) + eps) +
 // plain_size`` multiplies exp_avg; a zero adaptive size (rho_t <= 5) gives an infinity whose
 // reciprocal is the wanted zero, as in the foreach path.
 template <typename scalar_t>
-struct RadamOp {
+struct RadamOp : Moments<scalar_t> {
   using C = Ctx<scalar_t>;
   using opmath_t = typename C::opmath_t;
-  Moments<scalar_t> moments;
   opmath_t eps, adaptive_size, plain_size;
-
   template <typename V>
-  void operator()(V* v) const {
+  void after(V* v, const V* roots) const {
     V& p = v[0];
-    moments.update(p, v[1], v[2], v[3]);
-    V factor = C::r(vsqrt(v[3]));
-    factor = C::r(factor + splat(eps, p));
+    V factor = C::r(roots[0] + splat(eps, p));
     factor = C::r(factor / splat(adaptive_size, p));
     factor = C::r(splat(opmath_t(1), p) / factor);
     factor = C::r(factor + splat(plain_size, p));
@@ -821,16 +956,11 @@ void radam(at::TensorList params, at::TensorList grads, at::TensorList steps,
            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr, double beta1,
            double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
            bool maximize) {
-  constexpr const char* name = "radam_";
-  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"exp_avgs", exp_avgs},
-                             {"exp_avg_sqs", exp_avg_sqs}});
   const double rho_inf = 2.0 / (1.0 - beta2) - 1.0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    check_like(name, "grads", i, grads[i], p);
-    check_like(name, "exp_avgs", i, exp_avgs[i], p);
-    check_like(name, "exp_avg_sqs", i, exp_avg_sqs[i], p);
-    const double t = advance(name, i, steps[i]);
+  step_each("radam_", params, grads, steps, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs},
+            [&](auto tag, size_t, double t) {
+    using scalar_t = decltype(tag);
+    using C = Ctx<scalar_t>;
     const double beta2_t = std::pow(beta2, t);
     const double rho_t = rho_inf - 2.0 * t * beta2_t / (1.0 - beta2_t);
     double rect = 0.0;
@@ -839,23 +969,13 @@ void radam(at::TensorList params, at::TensorList grads, at::TensorList steps,
                           ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t),
                       0.5);
     }
-    const double unrectified = rect > 0.0 ? 0.0 : 1.0;
     const double bias_correction1 = 1.0 - std::pow(beta1, t);
-    const double plain_size = -(lr * unrectified / bias_correction1);
-    const double adaptive_size =
-        -(std::pow(1.0 - beta2_t, 0.5) * (lr * rect / bias_correction1));
-    Staged ops({p, grads[i], exp_avgs[i], exp_avg_sqs[i]}, 0b1101);
-    DISTOPT_DISPATCH(p, name, [&] {
-      using C = Ctx<scalar_t>;
-      using opmath_t = typename C::opmath_t;
-      RadamOp<scalar_t> op{
-          moments<scalar_t>(lr, beta1, beta2, weight_decay, decoupled_weight_decay, maximize),
-          C::in_dtype(eps), static_cast<opmath_t>(adaptive_size), C::in_dtype(plain_size)};
-      for_each<scalar_t, 4, 0b1101>(p.numel(), {ops.data<scalar_t>(0), ops.data<scalar_t>(1),
-                                                 ops.data<scalar_t>(2), ops.data<scalar_t>(3)}, op);
-    });
-    ops.finish();
-  }
+    const double plain_size = -(lr * (rect > 0.0 ? 0.0 : 1.0) / bias_correction1);
+    const double adaptive_size = -(std::pow(1.0 - beta2_t, 0.5) * (lr * rect / bias_correction1));
+    return RadamOp<scalar_t>{
+        moments<scalar_t>(lr, beta1, beta2, weight_decay, decoupled_weight_decay, maximize),
+        C::in_dtype(eps), static_cast<opmath_of<scalar_t>>(adaptive_size), C::in_dtype(plain_size)};
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -872,11 +992,8 @@ struct AsgdOp {
   template <typename V>
   void operator()(V* v) const {
     V& p = v[0];
-    V g = maximize ? vneg(v[1]) : v[1];
+    const V g = C::grad(v[1], p, maximize, decay, weight_decay);
     V& ax = v[2];
-    if (decay) {
-      g = C::r(C::add(g, p, weight_decay));
-    }
     p = C::r(p * splat(shrink, p));
     p = C::r(C::add(p, g, neg_eta));
     if constexpr (Average) {
