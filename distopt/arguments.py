@@ -12,7 +12,7 @@ name themselves when they refuse.
 """
 import functools
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -178,3 +178,19 @@ def _bind(
         return signature.bind(None, None, *args, **kwargs)
     except TypeError as exc:  # what is left: a missing argument, a positional-only keyword
         raise TypeError(f"{where} {exc}") from None
+
+
+def check_number(name: str, value: Any, expected: str, ok: Callable[[Any], bool],
+                 integer: bool = False) -> None:
+    """``Invalid <name>: <value> (expected <expected>)``: TypeError unless ``value`` is a
+    number (an int with ``integer``; a bool is neither), ValueError unless ``ok(value)``."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TypeError(f"Invalid {name}: {value!r} (expected {expected})")
+    if not ok(value):
+        raise ValueError(f"Invalid {name}: {value!r} (expected {expected})")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """TypeError unless ``value`` is a bool, naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}: {value!r} (expected a bool)")

@@ -66,7 +66,7 @@ def normalize_param_groups(params_rref: Iterable[Any]) -> List[Dict[str, Any]]:
         raise ValueError("Invalid params_rref: [] (expected at least one RRef)")
     if not isinstance(items[0], dict):
         _check_rrefs(items, "params_rref")
-        return _distinct([{"params": items}])
+        return distinct([{"params": items}], "params_rref", "RRef")
     groups = []
     for g, group in enumerate(items):
         where = f"params_rref[{g}]"
@@ -83,16 +83,16 @@ def normalize_param_groups(params_rref: Iterable[Any]) -> List[Dict[str, Any]]:
             raise ValueError(f"Invalid {where}['params']: [] (expected at least one RRef)")
         _check_rrefs(rrefs, f"{where}['params']")
         groups.append({**group, "params": rrefs})
-    return _distinct(groups)
+    return distinct(groups, "params_rref", "RRef")
 
 
-def _distinct(groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """``groups``, once no RRef is given twice (numbered over the groups, as the owners and
-    DataParallelOptimizer number them when they refuse one tensor twice)."""
-    pair = duplicate_pair([rref for group in groups for rref in group["params"]])
+def distinct(groups: List[Dict[str, Any]], name: str, kind: str) -> List[Dict[str, Any]]:
+    """``groups``, once no parameter is given twice (numbered over the groups, as the owners
+    and the data-parallel optimizers number them): argument ``name``, parameters of ``kind``."""
+    pair = duplicate_pair([p for group in groups for p in group["params"]])
     if pair is not None:
         raise ValueError(
-            f"Invalid params_rref: parameters {pair[0]} and {pair[1]} are the same RRef "
+            f"Invalid {name}: parameters {pair[0]} and {pair[1]} are the same {kind} "
             f"(expected each parameter once, in one param group)"
         )
     return groups

@@ -12,6 +12,11 @@ parameter: the reduction sums the flags too, so after it every rank knows which 
 got a gradient on some rank; the others keep the ``.grad`` this rank had (None, or a zero
 tensor after ``zero_grad(set_to_none=False)``), as DDP's ``find_unused_parameters`` leaves
 it.
+
+``Bucket`` is the one interface every compression scheme reduces, for the optimizer and for
+DDP's communication hook alike; torch's ``GradBucket`` meets it here only: a DDP bucket is
+copied into a ``Bucket`` (``Bucket.of_ddp``, ``ddp_layout``), and ``GradBucketView`` shows
+torch's hooks (PowerSGD) a ``Bucket`` through ``GradBucket``'s six methods.
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -20,7 +25,7 @@ from torch import Tensor
 
 from distopt._torch import version
 
-__all__ = ["Bucket", "assign_buckets"]
+__all__ = ["Bucket", "GradBucketView", "assign_buckets"]
 
 
 class Bucket:
@@ -55,7 +60,9 @@ class Bucket:
             gradient part's shape); else None.
         shard: with sharded state, this rank's part (``distopt.parallel.shard.Shard``).
         units: ``(unit, slots, gradients)`` per param group in the bucket: the compiled
-            step ``unit`` updates the parameters at ``slots`` from ``gradients``.
+            step ``unit`` updates the parameters at ``slots`` from ``gradients`` (for
+            ``OptimizerInBackward``, a group's step: per parameter of the group, its slot
+            and gradient here, or None).
     """
 
     def __init__(self, index: int, params: List[Tensor], positions: List[int]) -> None:
@@ -86,7 +93,43 @@ class Bucket:
         self.unused: List[int] = []
         self.residual: Optional[Tensor] = None
         self.shard: Any = None
-        self.units: List[Tuple[int, List[int], List[Tensor]]] = []
+        self.units: List[Tuple[int, List[Any], List[Any]]] = []
+
+    @classmethod
+    def of_ddp(cls, index: int, params: List[Tensor], ddp_buffer: Tensor) -> "Bucket":
+        """A bucket for DDP's bucket ``index``: its gradient views laid out as DDP lays each
+        gradient out (as the parameter is laid out in memory).
+
+        Raises:
+            ValueError: a sparse gradient; RuntimeError: ``ddp_buffer`` is not one dense
+                gradient per parameter, back to back.
+        """
+        if ddp_buffer.layout != torch.strided:
+            raise ValueError(
+                f"Invalid gradient: DDP bucket {index} holds a {ddp_buffer.layout} gradient "
+                f"(expected dense gradients: distopt's hooks reduce dense buckets; build "
+                f"embeddings with sparse=False)"
+            )
+        bucket = cls(index, list(params), list(range(len(params))))
+        expected = bucket.ddp_layout()
+        if expected.numel() != ddp_buffer.numel() or expected.dtype != ddp_buffer.dtype:
+            raise RuntimeError(
+                f"Invalid DDP bucket {index}: its buffer holds {ddp_buffer.numel()} "
+                f"{ddp_buffer.dtype} elements, its parameters {bucket.numel} {bucket.dtype} "
+                f"ones (expected one dense gradient per parameter, back to back)"
+            )
+        bucket.grads = [
+            g if p.is_contiguous() else bucket.buffer.as_strided(p.shape, p.stride(), o)
+            for g, p, o in zip(bucket.grads, bucket.params, bucket.offsets)
+        ]
+        bucket.used = [True] * len(params)
+        return bucket
+
+    def ddp_layout(self) -> Tensor:
+        """The gradient part of the buffer as DDP's bucket holds it: complex gradients as
+        their real and imaginary parts (DDP's buffer of complex parameters is real)."""
+        grads = self.buffer[:self.numel]
+        return torch.view_as_real(grads).view(-1) if grads.is_complex() else grads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,3 +242,33 @@ def assign_buckets(
     if buckets:
         buckets[-1].last = True  # the communication thread issues in bucket order
     return buckets
+
+
+class GradBucketView:
+    """What torch's ``powerSGD_hook`` reads of DDP's ``GradBucket`` (its six methods), over
+    the gradient part of a bucket; the flags that follow are not in it. A 0-dim gradient
+    shows as one element (the hook reads ``shape[0]``); empty ones are left out."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self._buffer = bucket.buffer[:bucket.numel]
+        self._params = [p for p in bucket.params if p.numel() > 0]
+        self._grads = [g.view(1) if g.dim() == 0 else g for g in bucket.grads if g.numel() > 0]
+
+    def index(self) -> int:
+        return self.bucket.index
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def gradients(self) -> List[Tensor]:
+        return self._grads
+
+    def parameters(self) -> List[Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return self.bucket.last
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        self._buffer.copy_(buffer)

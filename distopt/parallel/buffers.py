@@ -14,11 +14,14 @@ The broadcast writes through ``.data``: autograd does not see it, as DDP hides i
 a buffer that an earlier forward saved for its backward (BatchNorm in eval mode) does not
 make that backward raise.
 """
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from distopt.arguments import check_bool
+from distopt.parallel.sync import global_rank, through_flat
 
 __all__ = ["broadcast", "check_module"]
 
@@ -41,8 +44,7 @@ def check_module(module: Optional[torch.nn.Module], params: Sequence[Tensor],
         ValueError: one of ``params`` is not the module's, or a parameter of the module that
             requires grad is not one of ``params`` (its gradient would never be averaged).
     """
-    if not isinstance(broadcast_buffers, bool):
-        raise TypeError(f"Invalid broadcast_buffers: {broadcast_buffers!r} (expected a bool)")
+    check_bool("broadcast_buffers", broadcast_buffers)
     if module is None:
         return []
     if not isinstance(module, torch.nn.Module):
@@ -83,16 +85,6 @@ def broadcast(tensors: Sequence[Tensor], source: int, group: Any) -> None:
         source: the rank in ``group`` whose values every rank takes.
         group: the process group (None: the default one).
     """
-    if not tensors:
-        return
-    src = dist.get_global_rank(group, source) if group is not None else source
-    by_kind: Dict[Any, List[Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t.data)
-    for members in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in members])
-        dist.broadcast(flat, src, group=group)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    if tensors:
+        src = global_rank(group, source)
+        through_flat([t.data for t in tensors], lambda t: dist.broadcast(t, src, group=group))

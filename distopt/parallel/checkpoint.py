@@ -32,7 +32,7 @@ import torch.distributed as dist
 from distopt import manifest as _manifest
 from distopt.manifest import MANIFEST, crc32_of, write_atomic
 from distopt.parallel import shard as _shard
-from distopt.parallel.sync import collective_device
+from distopt.parallel.sync import collective_device, global_rank
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +66,12 @@ def _lost(opt: Any, what: str, path: str, exc: BaseException) -> RuntimeError:
     )
 
 
-def _first_rank(opt: Any) -> int:
-    group = opt.process_group
-    return dist.get_global_rank(group, 0) if group is not None else 0
-
-
 def save(opt: Any, path: str) -> Dict[str, Any]:
     path = os.path.abspath(path)
     box = [_manifest.new_generation() if opt.rank == 0 else None]
     try:
-        dist.broadcast_object_list(box, src=_first_rank(opt), group=opt.process_group)
+        group = opt.process_group
+        dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     except Exception as exc:
         raise _lost(opt, "save to", path, exc) from exc
     generation = box[0]
@@ -202,7 +198,7 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
     world size: whole parameters, joined from every shard file that holds a piece of one
     (read memory-mapped); each piece is checked to be there exactly once."""
     trained = opt._bucketed
-    needed = set(opt._piece_index()) if opt.shard is not None else set(trained)
+    needed = set(_shard.piece_index(opt._buckets)) if opt.shard is not None else set(trained)
     parts: Dict[int, List[Any]] = {}
     groups = None
     for r in range(manifest["world_size"]):

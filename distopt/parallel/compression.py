@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distopt._torch import all_gather_flat
+from distopt.arguments import check_bool, check_number
 from distopt.parallel.buckets import Bucket
 
-__all__ = ["Cast", "Compression", "TopK", "Threshold", "dense_reduction"]
+__all__ = ["Cast", "Compression", "TopK", "Threshold", "reduction_for"]
 
 #: Test hook: called on the communication thread with ``(bucket index, indices, values)``
 #: each time a sparsifying scheme sends; None in normal use.
@@ -154,14 +155,17 @@ class _Dense(Compression):
     def bytes_per_step(self, numels: List[Tuple[int, int]], dtype: torch.dtype,
                        world_size: int) -> float:
         real = dtype.to_real() if dtype.is_complex else dtype
-        size = _element_size(self.dtype or real) * (2 if dtype.is_complex else 1)
+        size = (self.dtype or real).itemsize * (2 if dtype.is_complex else 1)
         elements = sum(n + k for n, k in numels)
         return 2.0 * (world_size - 1) / world_size * elements * size
 
 
-def dense_reduction() -> Compression:
-    """The scheme used when no compression is asked for."""
-    return _Dense()
+def reduction_for(compression: Optional[Compression]) -> Compression:
+    """What reduces with ``compression``: no compression for None and for ``TopK(1.0)``
+    (the same average, bit for bit, without the indices)."""
+    if compression is None or (isinstance(compression, TopK) and compression.ratio == 1.0):
+        return _Dense()
+    return compression
 
 
 class Cast(_Dense):
@@ -194,8 +198,7 @@ class _Sparsify(Compression):
     """Send chosen (index, value) pairs of gradient plus residual; keep the rest."""
 
     def __init__(self, error_feedback: bool) -> None:
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"Invalid error_feedback: {error_feedback!r} (expected a bool)")
+        check_bool("error_feedback", error_feedback)
         self.error_feedback = error_feedback
 
     def choose(self, accumulated: Tensor) -> Tensor:
@@ -281,10 +284,7 @@ class TopK(_Sparsify):
     """
 
     def __init__(self, ratio: float, error_feedback: bool = True) -> None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise TypeError(f"Invalid ratio: {ratio!r} (expected a float in (0, 1])")
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"Invalid ratio: {ratio!r} (expected a float in (0, 1])")
+        check_number("ratio", ratio, "a float in (0, 1]", lambda r: 0.0 < r <= 1.0)
         super().__init__(error_feedback)
         self.ratio = float(ratio)
 
@@ -327,10 +327,7 @@ class Threshold(_Sparsify):
     """
 
     def __init__(self, value: float, error_feedback: bool = True) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"Invalid value: {value!r} (expected a finite float >= 0)")
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"Invalid value: {value!r} (expected a finite float >= 0)")
+        check_number("value", value, "a finite float >= 0", lambda v: math.isfinite(v) and v >= 0)
         super().__init__(error_feedback)
         self.value = float(value)
 
@@ -359,10 +356,6 @@ class Threshold(_Sparsify):
 _SAMPLE = 65536
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _real(buffer: Tensor) -> Tensor:
     """``buffer``, or its ``view_as_real`` when complex (what is divided, cast and sent)."""
     return torch.view_as_real(buffer) if buffer.is_complex() else buffer
@@ -374,7 +367,7 @@ def _index_dtype(bucket: Bucket) -> torch.dtype:
 
 
 def _row_bytes(count: int, flags: int, index_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    raw = count * _element_size(index_dtype) + (count + flags) * _element_size(dtype)
+    raw = count * index_dtype.itemsize + (count + flags) * dtype.itemsize
     return -(-raw // _ALIGN) * _ALIGN
 
 
@@ -392,7 +385,7 @@ def _pack(row: Tensor, width: int, indices: Tensor, values: Tensor, flags: Tenso
 def _unpack(row: Tensor, count: int, width: int, flags: int, index_dtype: torch.dtype,
             dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
     """The first ``count`` pairs of a row packed for ``width`` pairs, and its flags."""
-    isz, vsz = _element_size(index_dtype), _element_size(dtype)
+    isz, vsz = index_dtype.itemsize, dtype.itemsize
     a = width * isz
     b = a + width * vsz
     # Copies: a uint8 slice may not start where the wider dtype's alignment wants it.

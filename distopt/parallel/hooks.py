@@ -11,7 +11,8 @@ from the thread running backward. Two hooks run distopt's machinery there:
   of param groups (torch's ``_register_fused_optim`` takes 8 classes and one group).
 
 Each DDP bucket is copied into a :class:`~distopt.parallel.buckets.Bucket` of its own (the
-gradients, then one "used" flag per parameter), which the codecs take. DDP rebuilds its
+gradients, then one "used" flag per parameter; ``Bucket.of_ddp``), the one bucket interface
+every compression scheme reduces, as for ``DataParallelOptimizer``. DDP rebuilds its
 buckets after the first iteration, so a bucket is rebuilt whenever DDP's parameters under
 its index change, and error-feedback residuals are kept per parameter across the change.
 
@@ -20,11 +21,9 @@ order, so every rank issues the same collectives in the same order (gloo aborts 
 One thread per hook then waits for each reduction, decodes it, steps (``optimizer_hook``) and
 completes the future DDP waits for at the end of backward; it issues no collective.
 """
-import contextlib
 import logging
 import queue
 import threading
-import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -33,34 +32,16 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distopt import _torch
-from distopt.arguments import check_arguments, check_optimizer_class
-from distopt.local_optimizer import CompiledSteps
-from distopt.param_groups import (
-    as_keywords,
-    built_groups,
-    check_groups,
-    pending_changes,
-    snapshot,
-)
+from distopt.param_groups import built_groups, check_groups
+from distopt.parallel import arguments as _arguments
+from distopt.parallel import teardown
 from distopt.parallel.buckets import Bucket
-from distopt.parallel.compression import Compression, TopK, dense_reduction
-from distopt.parallel.teardown import close_at_exit, join_at_exit
+from distopt.parallel.compression import Compression, reduction_for
+from distopt.parallel.plan import amp_scaling, drop_amp_scaling
+from distopt.parallel.state import CompiledState, saved_layout
 from distopt.profiling import profiler_range
-from distopt.shell import (
-    indexed_groups,
-    load_state_dict_with_hooks,
-    refuse_add_param_group,
-    state_dict_with_hooks,
-)
-from distopt.parallel.optimizer import (
-    _amp_scaling,
-    _drop_amp_scaling,
-    _group_info,
-    _param_groups,
-    saved_layout,
-)
+from distopt.shell import indexed_groups, load_state_dict_with_hooks, refuse_add_param_group
 from functional import functional_optim_map
-from functional._state import check_hyperparameter
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +52,6 @@ __all__ = ["CompressionHookState", "OptimizerInBackward", "compression_hook", "o
 _Job = Tuple[
     Compression, Any, Bucket, Any, Optional[Callable[[Bucket], None]], Tuple[int, int, Any]
 ]
-#: How one bucket steps: per param group with parameters in it, (group, the gradients to step
-#: the group with, [(position in the group, slot in the bucket)]).
-_Plan = List[Tuple[int, List[Optional[Tensor]], List[Tuple[int, int]]]]
 
 
 class CompressionHookState:
@@ -112,15 +90,8 @@ class CompressionHookState:
         after_reduction: Optional[Callable[[Bucket], None]] = None,
         before_first_bucket: Optional[Callable[[], None]] = None,
     ) -> None:
-        if compression is not None and not isinstance(compression, Compression):
-            raise TypeError(
-                f"Invalid compression: {compression!r} (expected None, Cast, TopK, Threshold or "
-                f"PowerSGD)"
-            )
-        group, rank, world_size = _group_info(process_group)
-        codec = dense_reduction() if compression is None else compression
-        if isinstance(codec, TopK) and codec.ratio == 1.0:
-            codec = dense_reduction()  # the same average, bit for bit, without the indices
+        _arguments.check_compression(compression)
+        group, rank, world_size = _arguments.group_info(process_group)
         # The collectives go to a copy of the default group, of this state's own, when DDP
         # reduces over the default group: a group that can be destroyed and dropped when
         # the state closes (at exit, too), which stops its gloo worker threads before the
@@ -131,7 +102,7 @@ class CompressionHookState:
             self._comm_group = _torch.private_group()
         # DDP's buckets are not known before its first backward pass (``bucket.last`` is
         # set from DDP's own at each call).
-        self._codec = codec.bound(self._comm_group, rank, world_size, [])
+        self._codec = reduction_for(compression).bound(self._comm_group, rank, world_size, [])
         self.compression = compression
         self.process_group = group
         self.rank = rank
@@ -152,9 +123,8 @@ class CompressionHookState:
         # Dropped without close(): stop the thread, retire the private group (the exit joins
         # and drops them, waiting; ``distopt.parallel.teardown``).
         private = self._comm_group if self._comm_group is not group else None
-        self._abandoned = weakref.finalize(self, _abandon, self._jobs, private)
-        self._abandoned.atexit = False
-        close_at_exit(self)
+        self._dropped = teardown.on_drop(self, _abandon, self._jobs, private)
+        teardown.close_at_exit(self)
 
     def __repr__(self) -> str:
         return (f"CompressionHookState(compression={self.compression!r}, rank={self.rank}, "
@@ -194,7 +164,7 @@ class CompressionHookState:
             self._before_first()
         ddp_buffer = grad_bucket.buffer()
         bucket = self._bucket(index, grad_bucket.parameters(), ddp_buffer)
-        _as_ddp_lays_out(bucket).copy_(ddp_buffer)
+        bucket.ddp_layout().copy_(ddp_buffer)
         if self._tracked is not None:
             bucket.used = [id(p) in self._used or id(p) not in self._tracked
                            for p in bucket.params]
@@ -224,25 +194,7 @@ class CompressionHookState:
             a is b for a, b in zip(current.params, params)
         ):
             return current
-        if ddp_buffer.layout != torch.strided:
-            raise ValueError(
-                f"Invalid gradient: DDP bucket {index} holds a {ddp_buffer.layout} gradient "
-                f"(expected dense gradients: distopt's hooks reduce dense buckets; build "
-                f"embeddings with sparse=False)"
-            )
-        bucket = Bucket(index, list(params), list(range(len(params))))
-        expected = _as_ddp_lays_out(bucket)
-        if expected.numel() != ddp_buffer.numel() or expected.dtype != ddp_buffer.dtype:
-            raise RuntimeError(
-                f"Invalid DDP bucket {index}: its buffer holds {ddp_buffer.numel()} "
-                f"{ddp_buffer.dtype} elements, its parameters {bucket.numel} {bucket.dtype} "
-                f"ones (expected one dense gradient per parameter, back to back)"
-            )
-        # DDP lays a gradient out in its bucket as the parameter is laid out in memory.
-        bucket.grads = [
-            g if p.is_contiguous() else bucket.buffer.as_strided(p.shape, p.stride(), o)
-            for g, p, o in zip(bucket.grads, bucket.params, bucket.offsets)
-        ]
+        bucket = Bucket.of_ddp(index, params, ddp_buffer)
         if self.compression is not None:
             self.compression.check_params(
                 (f"the parameter of shape {tuple(p.shape)} in DDP bucket {index}", p)
@@ -257,7 +209,6 @@ class CompressionHookState:
                 if kept is not None and kept[0] is p:
                     part.copy_(kept[1])
                 self._residuals[id(p)] = (p, part)
-        bucket.used = [True] * len(params)
         if current is not None:
             self.rebuilds += 1
             logger.info("rank %d: DDP bucket %d now holds %d parameters (DDP rebuilt its "
@@ -267,13 +218,8 @@ class CompressionHookState:
 
     def _finishing_thread(self) -> None:
         if not self._threads:
-            thread = threading.Thread(
-                target=_finish_in_order, args=(self._jobs,), daemon=True,
-                name=f"distopt-ddp-hook-{self.rank}",
-            )
-            thread.start()
-            join_at_exit(thread)
-            self._threads.append(thread)
+            self._threads.append(teardown.start_thread(_finish_in_order, (self._jobs,),
+                                              f"distopt-ddp-hook-{self.rank}"))
 
     # ------------------------------------------------------------ closing
 
@@ -287,21 +233,12 @@ class CompressionHookState:
     def _close(self, timeout_s: Optional[float]) -> bool:
         """``close()``, waiting up to ``timeout_s`` for the thread; whether it stopped."""
         self._closed = True
-        self._abandoned.detach()
+        self._dropped.detach()
         self._jobs.put(None)
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout_s)
-        self._threads = [thread for thread in self._threads if thread.is_alive()]
+        self._threads = teardown.joined(self._threads, timeout_s)
         if self._threads:
             return False
-        comm = self._comm_group
-        if comm is not None and comm is not self.process_group:
-            # Every reduction issued was waited for: nothing is in flight on it.
-            self._comm_group = None
-            self._codec.release_group()
-            with contextlib.suppress(Exception):  # a peer already gone
-                _torch.destroy_private_group(comm)
+        teardown.release_private(self)  # every reduction issued was waited for
         return True
 
     # ------------------------------------------------------------ residuals, usage
@@ -360,8 +297,7 @@ def _abandon(jobs: "queue.SimpleQueue[Optional[_Job]]", private_group: Any) -> N
     queued, without waiting (the exit joins it), and retire its private group."""
     jobs.put(None)
     if private_group is not None:
-        with contextlib.suppress(Exception):  # a peer already gone
-            _torch.destroy_private_group(private_group)
+        teardown.retire(private_group)
 
 
 def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
@@ -384,14 +320,7 @@ def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
             continue
         # A view at storage offset 0: DDP reads its parameters' gradients from the value
         # with as_strided at their offsets in the bucket.
-        future.set_result(_as_ddp_lays_out(bucket))
-
-
-def _as_ddp_lays_out(bucket: Bucket) -> Tensor:
-    """The gradient part of ``bucket``'s buffer as DDP's bucket holds it: complex gradients
-    as their real and imaginary parts (DDP's buffer of complex parameters is real)."""
-    grads = bucket.buffer[:bucket.numel]
-    return torch.view_as_real(grads).view(-1) if grads.is_complex() else grads
+        future.set_result(bucket.ddp_layout())
 
 
 def _value(future: "torch.futures.Future[Tensor]") -> Tensor:
@@ -453,7 +382,7 @@ def compression_hook(
     return CompressionHookState(compression, process_group), _reduce_bucket
 
 
-class OptimizerInBackward(torch.optim.Optimizer):
+class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
     r"""A torch.optim optimizer that steps each DDP bucket's parameters as soon as DDP has
     averaged it, during backward. Build it with ``optimizer_hook``.
 
@@ -520,22 +449,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 f"torch.nn.parallel.DistributedDataParallel)"
             )
         _check_dense_functional(optimizer_class)
-        groups = _param_groups(params)
-        check_arguments(optimizer_class, args, kwargs, groups)
+        groups = _arguments.param_groups(params)
         # torch.optim's own checks and defaults (the step is the compiled one).
-        inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
-        _check_reduced_by(ddp_model, inner.param_groups)
+        _arguments.adopt(self, optimizer_class, groups, args, kwargs)
+        _check_reduced_by(ddp_model, self.param_groups)
         if isinstance(compression, Compression):  # every parameter DDP reduces goes through it
             compression.check_params(_reduced_by(ddp_model))
-        self.optimizer_class = optimizer_class
         self.compression = compression
-        self.defaults = inner.defaults
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        _torch.init_optimizer_internals(self)
         self.hook_state = CompressionHookState(
             compression, ddp_model.process_group, after_reduction=self._step_bucket,
-            before_first_bucket=self._apply_changes,
+            before_first_bucket=self._before_backward,
         )
 
         self._slot: Dict[int, Tuple[int, int]] = {
@@ -543,25 +466,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
             for j, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])
         }
         group_params = [list(g["params"]) for g in self.param_groups]
-        indices, start = [], 0
-        for ps in group_params:
-            indices.append(list(range(start, start + len(ps))))
-            start += len(ps)
-        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        fargs, fkwargs = as_keywords(optimizer_class, args, kwargs)
-        self._local = CompiledSteps(
-            functional_optim_map[optimizer_class], optimizer_class, group_params, indices,
-            options, fargs, fkwargs,
-        )
+        indices = [g["params"] for g in indexed_groups(self.param_groups)]
+        self._units_of_group = [[j] for j in range(len(groups))]
+        self._compile([(ps, ix, {k: v for k, v in g.items() if k != "params"})
+                       for ps, ix, g in zip(group_params, indices, groups)], args, kwargs)
         self._step_group = self._local.module.step_group
-        self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
-        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
-        self._settable = self._local.settable(self._hyper_keys)
         #: What ``param_groups`` must keep: the compiled steps and bucket plans are built once.
         self._built = built_groups(
             type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
         )
-        self._plans: Dict[int, Tuple[Bucket, _Plan]] = {}  # by DDP bucket index
         self._stepped = False  # a bucket stepped since the last step()
         self._skips_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
         if self._skips_unused:
@@ -570,7 +483,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         logger.info(
             "rank %d of %d: %s steps %d parameters in %d groups during DDP's backward, "
             "compression=%r", self.hook_state.rank, self.hook_state.world_size,
-            optimizer_class.__name__, start, len(group_params), compression,
+            optimizer_class.__name__, sum(map(len, group_params)), len(group_params), compression,
         )
 
     # ------------------------------------------------------------ stepping
@@ -591,8 +504,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 ``GradScaler`` calls it (``scaler.step(opt)``): backward has stepped every
                 bucket with the scaled gradients already.
         """
-        if _amp_scaling(self) is not None:
-            _drop_amp_scaling(self)  # GradScaler.step deletes them only after a step that returns
+        if amp_scaling(self) is not None:
+            drop_amp_scaling(self)  # GradScaler.step deletes them only after a step that returns
             raise RuntimeError(
                 "Invalid step: a GradScaler steps this OptimizerInBackward, but every bucket "
                 "was stepped during backward, as soon as DDP had averaged it, with the scaled "
@@ -622,65 +535,43 @@ class OptimizerInBackward(torch.optim.Optimizer):
         raises. An open one is closed when the interpreter exits."""
         self.hook_state.close()
 
-    def _apply_changes(self) -> None:
+    def _before_backward(self) -> None:
         """Hyper-parameters changed in ``param_groups`` since the last backward pass reach the
         compiled steps (hook thread, before bucket 0 is sent; no step is in flight then)."""
         check_groups(self.param_groups, self._built)
-        changes = pending_changes(
-            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
-        )
-        for j, values in changes.items():
-            self._local.apply_changes([(j, key, value) for key, value in values.items()])
-            self._sent[j].update({k: snapshot(v) for k, v in values.items()})
+        self._apply_changes()
 
     def _step_bucket(self, bucket: Bucket) -> None:
         """Step the parameters of one averaged bucket (finishing thread)."""
         self._stepped = True
-        plan = self._plans.get(bucket.index)
-        if plan is None or plan[0] is not bucket:
-            plan = (bucket, self._plan(bucket))
-            self._plans[bucket.index] = plan
-        unused: List[int] = []
+        if not bucket.units:  # a bucket new to this optimizer (DDP rebuilds them once)
+            by_group: Dict[int, Tuple[List[Any], List[Any]]] = {}
+            for s, p in enumerate(bucket.params):
+                if id(p) in self._slot:  # else averaged by DDP, stepped by nobody here
+                    j, k = self._slot[id(p)]
+                    n = len(self.param_groups[j]["params"])
+                    slots, grads = by_group.setdefault(j, ([None] * n, [None] * n))
+                    slots[k], grads[k] = s, bucket.grads[s]
+            bucket.units = [(j, slots, grads) for j, (slots, grads) in sorted(by_group.items())]
+        unused = set()
         if self._skips_unused:
-            unused = [s for s, f in enumerate(bucket.flags.tolist()) if f == 0]
+            unused = {s for s, f in enumerate(bucket.flags.tolist()) if f == 0}
         with profiler_range("distopt.ddp.step", bucket.index):
-            for j, grads, slots in plan[1]:
-                if unused:
-                    grads = list(grads)
-                    for k, s in slots:
-                        if s in unused:
-                            # DDP leaves its .grad as it is: None, or a tensor torch.optim
-                            # steps
-                            grads[k] = bucket.params[s].grad
+            for j, slots, grads in bucket.units:
+                if unused:  # DDP leaves its .grad as it is: None, or a tensor torch.optim steps
+                    grads = [bucket.params[s].grad if s in unused else g
+                             for s, g in zip(slots, grads)]
                 self._step_group(j, grads)
-
-    def _plan(self, bucket: Bucket) -> _Plan:
-        """Per param group with parameters in ``bucket``: the gradients to step it with
-        (views of the bucket; None for its parameters elsewhere)."""
-        by_group: Dict[int, Tuple[List[Optional[Tensor]], List[Tuple[int, int]]]] = {}
-        for s, p in enumerate(bucket.params):
-            where = self._slot.get(id(p))
-            if where is None:
-                continue  # averaged by DDP, stepped by nobody here
-            j, k = where
-            if j not in by_group:
-                by_group[j] = ([None] * len(self.param_groups[j]["params"]), [])
-            by_group[j][0][k] = bucket.grads[s]
-            by_group[j][1].append((k, s))
-        return [(j, grads, slots) for j, (grads, slots) in sorted(by_group.items())]
 
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
         (global index -> this rank's residual, for the parameters this rank has one of)."""
-        check_groups(self.param_groups, self._built)
-        return state_dict_with_hooks(self, self._make_state_dict)
+        return self._state_dict()
 
-    def _make_state_dict(self) -> Dict[str, Any]:
-        state = self._local.torch_state()
-        sd: Dict[str, Any] = {"state": dict(sorted(state.items())),
-                              "param_groups": indexed_groups(self.param_groups)}
+    def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
+        sd = self._compiled_state_dict()
         if self.hook_state.error_feedback:
             params = [p for g in self.param_groups for p in g["params"]]
             sd["residuals"] = {}
@@ -705,37 +596,20 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def _load(self, state_dict: Dict[str, Any]) -> None:
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
-        for j, saved in enumerate(saved_groups):
-            for key in self._hyper_keys:
-                if key in saved:
-                    check_hyperparameter(
-                        self.optimizer_class, key, saved[key], f"state_dict param group {j}"
-                    )
+        self._check_saved_hyper(saved_groups)
         position = {saved: i for i, saved in enumerate(saved_ids)}
         state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
         self._local.check_torch_state(state)
         params = [p for g in self.param_groups for p in g["params"]]
-        residuals: Dict[int, Tensor] = {}
-        for saved, value in state_dict.get("residuals", {}).items():
-            i = position.get(saved)
-            if i is None or not isinstance(value, Tensor) or value.shape != params[i].shape:
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(
-                    f"Invalid state_dict['residuals'][{saved!r}]: {got} (expected a tensor "
-                    f"shaped like the parameter it names)"
-                )
-            residuals[i] = value
+        residuals = self._checked_residuals(state_dict, position, dict(enumerate(params)))
         if residuals and not self.hook_state.error_feedback:
             raise ValueError(
                 f"Invalid state_dict['residuals']: {len(residuals)} residuals, and "
                 f"compression={self.compression!r} keeps none (expected no 'residuals')"
             )
 
-        hyper = [{k: v for k, v in saved.items() if k != "params"} for saved in saved_groups]
-        self._local.load_torch_state(hyper, state)
-        for group, values in zip(self.param_groups, hyper):
-            group.update(values)
-        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
+        self._load_units(saved_groups, state)
+        self._adopt_groups(saved_groups)
         for i, value in residuals.items():
             self.hook_state.set_residual(params[i], value)
 
@@ -777,12 +651,7 @@ def optimizer_hook(
 
 
 def _check_dense_functional(optimizer_class: Any) -> None:
-    check_optimizer_class(optimizer_class, eager=False)
-    if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.SparseAdam):
-        raise TypeError(
-            f"Invalid optimizer_class: {optimizer_class.__name__} steps only sparse gradients "
-            f"(expected a class for dense ones: DDP's buckets hold dense gradients)"
-        )
+    _arguments.check_class(optimizer_class, False, "DDP's buckets hold dense gradients")
     if optimizer_class not in functional_optim_map:
         names = sorted(c.__name__ for c in functional_optim_map if c is not torch.optim.SparseAdam)
         raise TypeError(

@@ -1,43 +1,29 @@
 """Uneven inputs: a DataParallelOptimizer under ``torch.distributed.algorithms.Join``.
 
-``with Join([opt]):`` around the training loop lets ranks with fewer batches finish first: a
-rank that has left its loop waits in ``Join.__exit__``, which runs this module's
-``main_hook`` once for each iteration the other ranks still run, until every rank has left.
-Each call must issue the collectives that iteration issues on the active ranks, in the same
-order, on the same group (gloo pairs collectives by their order).
-
-An iteration here is one thing the optimizer communicates for: a forward that broadcasts the
-module's buffers (``module=``, ``distopt.parallel.buffers``), a step's reduction, and, once
-some rank has joined and the step waits for ``step()``, that step. Each begins with a round
-on the optimizer's group (``_forward_group``, which the communication thread leaves idle
-between steps): the active ranks notify Join (``Join.notify_join_context``: its all_reduce
-pairs with the one by which Join counts the active ranks on the joined ones), then every
-rank all-gathers (active, plan). So every rank learns what the active ranks are about to do
-(their plans must agree), how many are active, and the source: the highest active rank,
-whose buffers DDP broadcasts under Join.
+Under ``with Join([opt]):`` a rank that has left its loop runs ``main_hook`` once for each
+iteration the others still run, and must issue that iteration's collectives, in order, on
+the same group. An iteration is one thing the optimizer communicates for: a forward that
+broadcasts the buffers (``module=``), a step's reduction, and (once some rank has joined and
+the step waits for ``step()``) that step. Each begins with a round on ``_forward_group``
+(idle between steps): the active ranks notify Join (its all_reduce pairs with the one by
+which Join counts active ranks on the joined ones), then every rank all-gathers (active,
+plan), so every rank learns what the active ranks do (their plans must agree), how many are
+active, and the source: the highest active rank, as DDP's.
 
 A joined rank then receives the buffers; or reduces every bucket with zero gradients and no
-parameter used (``GradientReducer.shadow``), stepping during backward if the active ranks
-do; or steps as they do in ``step()``. So its parameters and optimizer state (and its shard,
-whose gathers it takes part in) stay theirs, where DDP + torch.optim leaves a joined rank's
-optimizer state as it was when it joined (its parameters are broadcast at the end). For that
-the source sends what the active ranks' step reads that a joined rank cannot know: its
-hyper-parameters (a joined rank's lr scheduler has stopped), in the reduction's round when
-the buckets step during backward; when the step waits for ``step()``, in that step's
-iteration, with the GradScaler's ``grad_scale`` and ``found_inf`` and every bucket's
-gradients as the step reads them (``.grad`` after clipping or unscaling; None where it is
-skipped): one broadcast of the gradients per such step while some rank has joined.
+parameter used (``GradientReducer.shadow``), stepping during backward if the others do; or
+steps as they do in ``step()``. So its parameters, optimizer state and shard stay theirs
+(DDP + torch.optim leaves a joined rank's optimizer state as it was). For that the source
+sends what a joined rank cannot know: its hyper-parameters (in the reduction's round when
+buckets step during backward), and when the step waits for ``step()`` the GradScaler's
+``grad_scale`` / ``found_inf`` and every bucket's gradients as the step reads them.
 
-What a joined rank contributes is a zero gradient, put through the compression as any
-gradient: zeros for no compression and ``Cast``; zero values for ``TopK`` and ``Threshold``,
-whose residuals it keeps (its parameters count as unused); for ``PowerSGD``, torch's hook on
-a zero gradient, which adds this rank's error feedback, as DDP's join hook runs that hook.
-The sum is divided by the world size, or with ``divide_by_initial_world_size=False`` by the
-number of active ranks (``Bucket.divisor``), as DDP divides. Refused when the Join is
-built: ``sync=RoundRobin`` (a joined rank's parameters would be averaged in) and PowerSGD
-with ``divide_by_initial_world_size=False`` (torch's hook divides by the group's size).
-When every rank has joined, ``post_hook`` broadcasts the buffers from the highest of the
-ranks that joined last, as DDP's final sync does; the parameters agree already.
+A joined rank contributes zero gradients through the compression (TopK / Threshold keep its
+residuals; PowerSGD runs torch's hook on zeros, as DDP's join hook does). The sum is divided
+by the world size, or with ``divide_by_initial_world_size=False`` by the active ranks
+(``Bucket.divisor``). Refused when the Join is built: ``sync=RoundRobin`` and PowerSGD with
+``divide_by_initial_world_size=False``. When every rank has joined, ``post_hook`` broadcasts
+the buffers from the highest last joiner, as DDP's final sync does.
 """
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -47,8 +33,11 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from distopt._torch import all_gather_flat
+from distopt.arguments import check_bool
 from distopt.parallel import buffers as _buffers
 from distopt.parallel.powersgd import PowerSGD
+from distopt.parallel.sync import global_rank
+from distopt.param_groups import check_groups
 
 __all__ = ["Round", "buffers_round", "join_hook", "reduction_round", "send_step"]
 
@@ -73,16 +62,10 @@ class Round(NamedTuple):
 
 
 def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
-    """``DataParallelOptimizer.join_hook``: check that ``opt`` can train on uneven inputs.
-
-    Raises:
-        TypeError: ``divide_by_initial_world_size`` is not a bool.
-        ValueError: the optimizer is closed, uses ``RoundRobin``, or PowerSGD with
-            ``divide_by_initial_world_size=False``.
-    """
+    """``DataParallelOptimizer.join_hook``, once ``opt`` is checked to train on uneven inputs
+    (TypeError: ``divide_by_initial_world_size`` is not a bool)."""
     divide = kwargs.get("divide_by_initial_world_size", True)
-    if not isinstance(divide, bool):
-        raise TypeError(f"Invalid divide_by_initial_world_size: {divide!r} (expected a bool)")
+    check_bool("divide_by_initial_world_size", divide)
     if opt._closed:
         raise ValueError(
             "Invalid Join: this DataParallelOptimizer is closed (expected an open one)"
@@ -140,9 +123,9 @@ class _JoinHook(JoinHook):
         if step.plan == _BUFFERS:
             _buffers.broadcast(list(opt.module.buffers()), step.source, opt._forward_group)
         elif step.plan == _STEP:
-            opt._shadow_step(_step_packet(opt, None, joined=True))
+            _shadow_step(opt, _step_packet(opt, None, joined=True))
         else:
-            opt._shadow_reduction(_divisor(opt, step), bool(step.plan & _IN_BACKWARD))
+            _shadow_reduction(opt, _divisor(opt, step), bool(step.plan & _IN_BACKWARD))
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank has joined: the buffers of the highest last joiner, as DDP's."""
@@ -200,7 +183,7 @@ def _share(opt: Any, extra: Any, joined: bool) -> Any:
     Tensor value in place, as a scheduler keeps it). Returns the source's ``extra``."""
     group = opt._forward_group
     values = [([{k: g[k] for k in opt._hyper_keys} for g in opt.param_groups], extra)]
-    dist.broadcast_object_list(values, src=_global(opt, opt._join_source), group=group)
+    dist.broadcast_object_list(values, src=global_rank(group, opt._join_source), group=group)
     hyper, extra = values[0]
     if joined:
         for g, theirs in zip(opt.param_groups, hyper):
@@ -226,7 +209,7 @@ def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any
         numbers = tuple(None if t is None else (t.tolist(), t.dtype) for t in scaling)
     numbers = _share(opt, numbers, joined)
     group = opt._forward_group
-    src = _global(opt, opt._join_source)
+    src = global_rank(opt._forward_group, opt._join_source)
     for bucket in opt._buckets:
         packet = torch.zeros_like(bucket.buffer)
         if opt.rank == opt._join_source:
@@ -250,6 +233,39 @@ def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any
                  for n in numbers)
 
 
-def _global(opt: Any, rank: int) -> int:
-    group = opt._forward_group
-    return dist.get_global_rank(group, rank) if group is not None else rank
+def _shadow_reduction(opt: Any, divisor: Optional[int], in_backward: bool) -> None:
+    """A joined rank's share of the active ranks' reduction, with zero gradients: stepping
+    during backward as they do (``in_backward``), or leaving the window for ``_shadow_step``."""
+    if opt._reducer is None:
+        return
+    if opt._closed:
+        raise RuntimeError(
+            "Invalid Join: this DataParallelOptimizer was closed while the other ranks "
+            "still train (expected close() after the Join block)"
+        )
+    if opt._untrained:
+        opt._check_untrained()
+    check_groups(opt.param_groups, opt._built)
+    opt._apply_changes()  # the active ranks' hyper-parameters (join._round)
+    opt._in_backward = in_backward
+    opt._join_packet = False
+    opt._rebuild_pending = False  # the active ranks keep theirs while a rank has joined
+    for bucket in opt._buckets:
+        bucket.divisor = divisor
+    try:
+        opt._reducer.shadow()
+    finally:
+        if in_backward:
+            opt._reducer.reset()
+
+
+def _shadow_step(opt: Any, scaling: Optional[Any]) -> None:
+    """A joined rank's share of the active ranks' ``step()`` after a shadowed reduction: the
+    step, on what they sent, with the GradScaler's ``scaling`` or None."""
+    try:
+        opt._apply_changes()
+        opt._step_all(scaling)
+        opt._last_step_unscaled = scaling is None
+        opt._fresh = False
+    finally:
+        opt._reducer.reset()

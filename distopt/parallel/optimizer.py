@@ -1,22 +1,42 @@
 r"""``DataParallelOptimizer``: a torch.optim optimizer whose gradients are averaged over ranks.
 
 Every rank holds the whole model and runs forward and backward on its own batch; the
-optimizer averages the gradients over the process group while backward runs (see
-``distopt.parallel.reducer``) and steps. The step is a compiled functional optimizer, one
-per (bucket, param group), so that with ``overlap=True`` a bucket's parameters are updated
-as soon as its reduction has arrived, without the GIL, while backward computes the rest;
-stepping bucket by bucket equals one step over everything, bit for bit, because no
-torch.optim algorithm couples parameters. Classes with no functional twin run eagerly,
-once every bucket has arrived.
+optimizer averages the gradients over the process group while backward runs and steps.
+The step is a compiled functional optimizer, one per (bucket, param group), so that with
+``overlap=True`` a bucket's parameters are updated as soon as its reduction has arrived,
+without the GIL, while backward computes the rest; stepping bucket by bucket equals one
+step over everything, bit for bit, because no torch.optim algorithm couples parameters.
+Classes with no functional twin run eagerly, once every bucket has arrived.
+
+The optimizer is split by job, a module each: ``arguments`` (every check, before any
+collective), ``plan`` (``StepPlan``: buckets, compiled steps, where each bucket steps),
+``shard`` (sharded state), ``state`` (``DataParallelState``: state_dict, residuals;
+``checkpoint``: save, load), ``teardown`` (claims on parameters, close, exit), ``join``
+(uneven inputs), ``buffers`` (``module=``); this module holds the public methods.
+
+One backward pass, as data:
+backward → the parameter's post-accumulate-grad hook (``reducer.GradientReducer.on_grad``;
+the window's first calls ``plan.StepPlan._before_reduction``: ``param_groups`` checked,
+changed hyper-parameters sent to the compiled steps (``state``), the plan chosen, a Join
+round) → its gradient into its ``buckets.Bucket`` (``.grad`` becomes a view of it) → the
+bucket full: the communication thread issues its collective (``compression`` /
+``powersgd``: ``issue``; the scheme owns its state) → the finishing thread completes it
+(``finish``, ``Bucket.leave_unused``) → ``plan.StepPlan._on_reduced``: stepping during
+backward, the bucket's compiled steps (``CompiledSteps.module.step_group``, GIL released;
+sharded: this rank's pieces, then ``shard.gather`` on the communication thread and
+``shard.store`` on the finishing one) → the pass's final callback flushes what the pass did
+not reach and waits for every bucket. ``step()`` → ``GradientReducer.complete`` (waits) →
+buckets not stepped during backward (GradScaler, clipping, eager classes):
+``plan.StepPlan._step_all`` (sharded: then ``shard.gather_all``) → after the first step,
+``plan.StepPlan._rebuild_at_first_step``. (``RoundRobin`` reduces nothing: ``step()`` →
+``plan.StepPlan._local_step_and_average``.)
 """
 import contextlib
-import gc
 import logging
 import math
 import warnings
 import weakref
-import zlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,35 +44,28 @@ from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from distopt import _torch
-from distopt.arguments import check_arguments, check_optimizer_class
-from distopt.local_optimizer import CompiledSteps
-from distopt.param_groups import (
-    as_keywords,
-    built_groups,
-    check_groups,
-    pending_changes,
-    snapshot,
-)
+from distopt.param_groups import built_groups, check_groups
 from distopt.parallel import buffers as _buffers
 from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel import join as _join
-from distopt.parallel import shard as _shard
-from distopt.parallel.buckets import Bucket, assign_buckets
-from distopt.parallel.compression import Compression, TopK, dense_reduction
-from distopt.parallel.reducer import GradientReducer
-from distopt.parallel.sync import RoundRobin, average_, collective_device, partition
-from distopt.parallel.teardown import close_at_exit
-from distopt.shell import (
-    indexed_groups,
-    load_state_dict_with_hooks,
-    refuse_add_param_group,
-    state_dict_with_hooks,
+from distopt.parallel import teardown
+from distopt.parallel.arguments import (
+    adopt,
+    check_class,
+    check_options,
+    check_same_everywhere,
+    group_info,
+    param_groups,
 )
+from distopt.parallel.buckets import assign_buckets
+from distopt.parallel.compression import Compression, reduction_for
+from distopt.parallel.plan import StepPlan, amp_scaling, drop_amp_scaling, weak_call
+from distopt.parallel.reducer import GradientReducer
+from distopt.parallel.sync import RoundRobin, collective_device, partition
+from distopt.parallel.teardown import close_at_exit
 from distopt.profiling import profiler_range
+from distopt.shell import load_state_dict_with_hooks, refuse_add_param_group
 from functional import functional_optim_map
-from functional._kernels import unscale_gradients
-from functional._state import check_hyperparameter
-from functional._validation import duplicate_pair
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +79,7 @@ _DEFAULT_BUCKET_CAP_MB = 25.0
 _FIRST_BUCKET_BYTES = 1 << 20
 
 
-class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
+class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     r"""Data-parallel training with any torch.optim algorithm, on torch.distributed.
 
     Use it where you would wrap the model in DDP and build a torch.optim optimizer: the
@@ -172,28 +185,17 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
     ) -> None:
         Joinable.__init__(self)  # no Join yet: ``join_hook`` is called by Join
         eager = optimizer_class not in functional_optim_map or not _torch.jit_enabled()
-        check_optimizer_class(optimizer_class, eager)
-        if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.SparseAdam):
-            raise TypeError(
-                f"Invalid optimizer_class: {optimizer_class.__name__} steps only sparse "
-                f"gradients (expected a class for dense ones: DataParallelOptimizer reduces "
-                f"dense buckets)"
-            )
-        _check_options(bucket_cap_mb, compression, backward_passes_per_step, sync, overlap)
-        _check_shard(shard, optimizer_class, eager, sync)
-        group, rank, world_size = _group_info(process_group)
-        groups = _param_groups(params)
+        check_class(optimizer_class, eager, "DataParallelOptimizer reduces dense buckets")
+        check_options(bucket_cap_mb, compression, backward_passes_per_step, sync, overlap, shard,
+                      optimizer_class, eager)
+        group, rank, world_size = group_info(process_group)
+        groups = param_groups(params)
         outside = _buffers.check_module(
             module, [p for g in groups for p in g["params"]], broadcast_buffers
         )
-        check_arguments(optimizer_class, args, kwargs, groups)
-        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         # torch.optim's own checks and defaults, and (eager) the optimizer that steps.
-        inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
-        self.optimizer_class = optimizer_class
-        self.process_group = group
-        self.rank = rank
-        self.world_size = world_size
+        inner = adopt(self, optimizer_class, groups, args, kwargs)
+        self.process_group, self.rank, self.world_size = group, rank, world_size
         self.compression = compression
         self.sync = sync
         self.overlap = overlap
@@ -202,10 +204,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self.broadcast_buffers = broadcast_buffers
         self.backward_passes_per_step = backward_passes_per_step
         self.is_functional_optim = not eager
-        self.defaults = inner.defaults
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        _torch.init_optimizer_internals(self)
         self._eager = inner if eager else None
 
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -214,11 +212,8 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self._untrained = [(i, p) for i, p in enumerate(all_params) if not p.requires_grad]
         self._closed = False
         self._comm_group: Any = None  # where the communication thread issues
-        _take_over(all_params)
-        codec = dense_reduction() if compression is None else compression
-        if isinstance(codec, TopK) and codec.ratio == 1.0:
-            codec = dense_reduction()
-        self._codec = codec
+        teardown.take_over(all_params)
+        self._codec = codec = reduction_for(compression)
         self._cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         # DDP's rebuilt buckets start with a small one, with the default cap only.
         self._first_cap_bytes = (
@@ -236,15 +231,16 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                 for i in trained
             )
         self._prepare_buckets()
-        self._check_same_everywhere(all_params, group_of, bucket_cap_mb, outside)
+        check_same_everywhere(self, all_params, group_of, bucket_cap_mb, outside)
         # As DDP at construction: the module's other parameters and its buffers too.
-        self._broadcast_parameters(all_params + outside + (
-            list(module.buffers()) if module is not None and broadcast_buffers else []
-        ))
+        if world_size > 1:
+            _buffers.broadcast(all_params + outside + (
+                list(module.buffers()) if module is not None and broadcast_buffers else []
+            ), 0, group)
         self._group_of = group_of
-        self._ctor = (args, kwargs, options)
-        self._hyper_keys = [k for k in self.param_groups[0] if k != "params"]
-        self._local: Optional[CompiledSteps] = None
+        #: What builds the compiled steps: the arguments and each group's options as given.
+        self._ctor = (args, kwargs, [{k: v for k, v in g.items() if k != "params"}
+                                     for g in groups])
         self._plan_units()
         #: What ``param_groups`` must keep: the buckets and compiled steps are built once.
         self._built = built_groups(
@@ -258,14 +254,13 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             self._trained = [all_params[i] for i in trained]
             self._partitions = partition(self._trained, sync.k)
         elif self._buckets:
-            # Weak: the hooks must not keep an optimizer the user dropped alive.
             # The communication thread issues on a group of its own, so that collectives of
             # other threads (another optimizer, SyncBatchNorm's backward) cannot interleave;
             # a group the user gives must be this optimizer's alone.
             if group is None and world_size > 1:
                 self._comm_group = _torch.private_group()
             else:
-                _check_group_unshared(group)
+                teardown.check_group_unshared(group)
                 self._comm_group = group
             self._codec_config = codec
             self._codec = codec.bound(self._comm_group, rank, world_size, self._buckets)
@@ -275,15 +270,10 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self._rebuild_pending = rebuild_buckets and self._reducer is not None
         #: No step taken and no state loaded yet: there is no optimizer state anywhere.
         self._fresh = True
-        _claim(all_params, self)
-        self._abandoned: Optional[weakref.finalize] = None
+        teardown.claim(all_params, self)
         if self._reducer is not None:
             close_at_exit(self)
-            # Dropped without close(): stop the threads, retire the private group (its last
-            # reference must go where it can join its workers: distopt.parallel.teardown).
-            private = self._comm_group if self._comm_group is not group else None
-            self._abandoned = weakref.finalize(self, _abandon, self._reducer, private)
-            self._abandoned.atexit = False  # the exit closes what is left, waiting
+            self._watch()
         #: Where this optimizer's collectives outside backward go (buffers, Join's rounds):
         #: the communication thread's group, idle between steps (``distopt.parallel.join``).
         self._forward_group = self._comm_group if self._comm_group is not None else group
@@ -296,9 +286,8 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self._join_packet = False
         self._forward_hook: Any = None
         if module is not None:
-            self._forward_hook = module.register_forward_pre_hook(
-                _forward_pre_hook(_weak_call(self._before_forward))
-            )
+            call = weak_call(self._before_forward)
+            self._forward_hook = module.register_forward_pre_hook(lambda _m, _a: call())
             weakref.finalize(self, self._forward_hook.remove)
         self._warned_late_change = False
         #: Whether the last step() came without a GradScaler (see ``_next_plan``).
@@ -311,204 +300,17 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             "compiled" if self._local is not None else "eager", compression, sync,
         )
 
-    # ------------------------------------------------------------ the plan
-
-    def _prepare_buckets(self) -> None:
-        """What each bucket needs of the compression: its check, its residual."""
-        for bucket in self._buckets:
-            if self.compression is not None:
-                self.compression.check_bucket(bucket)
-            if self._codec.error_feedback:
-                bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
-
-    def _plan_units(self) -> None:
-        """The shards (sharded state) and one compiled step per (bucket, param group), from
-        the buckets and the groups' current hyper-parameters."""
-        shard, group_of = self.shard, self._group_of
-        if shard is not None:
-            adafactor = getattr(torch.optim, "Adafactor", None)
-            name = ("Adafactor" if adafactor and issubclass(self.optimizer_class, adafactor)
-                    else "")
-            pieces = _shard.split(self._buckets, self.world_size, shard, [
-                [_shard.state_size(name, p) * p.element_size() for p in b.params]
-                for b in self._buckets
-            ])
-            for bucket, parts in zip(self._buckets, pieces):
-                bucket.shard = _shard.Shard(bucket, parts, self.rank, whole=shard == "param")
-        args, kwargs, options = self._ctor
-        # One functional optimizer per (bucket, param group): a bucket steps on its own.
-        self._units_of_group: List[List[int]] = [[] for _ in self.param_groups]
-        unit_params: List[List[Tensor]] = []
-        unit_indices: List[List[int]] = []
-        unit_options: List[Dict[str, Any]] = []
-        for bucket in self._buckets:
-            bucket.units = []
-            if shard is None:
-                members = list(zip(range(len(bucket.params)), bucket.params, bucket.grads))
-            else:  # this rank's pieces: views of the shard's buffer
-                sh = bucket.shard
-                members = [(pc.slot, v, g) for pc, v, g in zip(sh.own, sh.views, sh.grads)]
-            by_group: Dict[int, List[Any]] = {}
-            for member in members:
-                by_group.setdefault(group_of[bucket.positions[member[0]]], []).append(member)
-            for j, ms in sorted(by_group.items()):
-                u = len(unit_params)
-                unit_params.append([t for _, t, _ in ms])
-                unit_indices.append([bucket.positions[slot] for slot, _, _ in ms])
-                unit_options.append(options[j])
-                self._units_of_group[j].append(u)
-                bucket.units.append((u, [slot for slot, _, _ in ms], [g for _, _, g in ms]))
-        if self._local is not None:
-            self._local.close()
-            self._local = None
-        if self._eager is None and unit_params:
-            fargs, fkwargs = as_keywords(self.optimizer_class, args, kwargs)
-            self._local = CompiledSteps(
-                functional_optim_map[self.optimizer_class], self.optimizer_class, unit_params,
-                unit_indices, unit_options, fargs, fkwargs,
-            )
-        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
-        self._settable = (
-            self._local.settable(self._hyper_keys) if self._local is not None else None
-        )
-
-    def _new_reducer(self, record: bool = False) -> GradientReducer:
-        gathers = self.shard is not None and self.overlap and self._eager is None
-        return GradientReducer(
-            self._buckets, self._codec, self._comm_group, self.rank, self.world_size,
-            self.backward_passes_per_step,
-            _weak_call(self._before_reduction), _weak_call(self._on_reduced),
-            _weak_call(self._gather_stepped) if gathers else None,
-            _store if gathers else None,
-            record_arrival=record,
-        )
+    def _watch(self) -> None:
+        """Dropped without close(): stop the threads, retire the private group (its last
+        reference must go where it can join its workers: ``distopt.parallel.teardown``)."""
+        private = self._comm_group if self._comm_group is not self.process_group else None
+        self._dropped = teardown.on_drop(self, _abandon, self._reducer, private)
 
     def bucket_layout(self) -> List[List[int]]:
         """The buckets, in reduction order, as the global indices of their parameters (in
         each bucket's buffer order): reverse registration order at construction, the order
         the first step's gradients arrived after it (``rebuild_buckets``)."""
         return [list(b.positions) for b in self._buckets]
-
-    def _arrival_order(self) -> List[int]:
-        """The first step's arrival order (global indices) on the group's first rank, taken
-        by every rank (one broadcast). The parameters whose gradient did not arrive follow
-        in the present order."""
-        present = [i for b in self._buckets for i in b.positions]
-        order = list(dict.fromkeys(self._reducer.take_arrivals()))
-        got = set(order)
-        order += [i for i in present if i not in got]
-        if self.world_size > 1:
-            box = torch.tensor(order, dtype=torch.int64,
-                               device=collective_device(self._forward_group))
-            _buffers.broadcast([box], 0, self._forward_group)
-            order = box.tolist()
-        return order
-
-    def _layout_buckets(self, layout: Any, where: str) -> List[Bucket]:
-        """New buckets cut as ``layout`` (bucket -> global indices) says; ValueError naming
-        ``where`` unless it holds every bucketed parameter once, one dtype and device a
-        bucket."""
-        trained = self._bucketed
-        flat = [i for ps in layout for i in ps] if isinstance(layout, list) and all(
-            isinstance(ps, list) and ps for ps in layout) else None
-        if flat is None or sorted(flat) != sorted(trained) or any(
-            len({(trained[i].dtype, trained[i].device) for i in ps}) != 1 for ps in layout
-        ):
-            raise ValueError(
-                f"Invalid {where}: {layout!r} (expected a list of non-empty buckets of "
-                f"global indices, holding each of the parameters {sorted(trained)} once, one "
-                f"dtype and device a bucket)"
-            )
-        new = [Bucket(k, [trained[i] for i in ps], list(ps)) for k, ps in enumerate(layout)]
-        new[-1].last = True
-        return new
-
-    def _rebuild_at_first_step(self) -> None:
-        """The end of the first step (every rank alike): cut the buckets again in the order
-        the gradients arrived on the group's first rank, as DDP does, with DDP's small
-        first bucket (also where the order is the construction's, as DDP); a compression
-        whose state cannot follow keeps them."""
-        self._rebuild_pending = False
-        carried = self._codec.carried_state()
-        if carried is False:  # the same on every rank: its state is the same shape
-            logger.info("rank %d: buckets kept in registration order (%r holds state per "
-                        "bucket)", self.rank, self._codec)
-            return
-        order = self._arrival_order()
-        new = assign_buckets([self._bucketed[i] for i in order], order, self._cap_bytes,
-                             order, self._first_cap_bytes)
-        if [b.positions for b in new] == self.bucket_layout():
-            return
-        codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, new)
-        if carried is not None:
-            codec.checked_loader(carried)()
-        self._rebuild_buckets(new, codec)
-        logger.info("rank %d: buckets rebuilt in gradient arrival order: %d buckets, the "
-                    "first of %d parameters", self.rank, len(new), len(new[0].params))
-
-    def _rebuild_buckets(self, new: List[Bucket], codec: Compression) -> None:
-        """Replace the buckets by ``new`` (reduced by ``codec``), carrying the optimizer
-        state (gathered and cut again, when sharded) and the residuals over unchanged; each
-        ``.grad`` that was a view of its bucket keeps its values, as a view of the new one.
-        Between steps only (a collective, when sharded)."""
-        state: Dict[int, Dict[str, Any]] = {}
-        if self._fresh:
-            pass  # no state on any rank: nothing to gather
-        elif self._local is not None:
-            state = self._local.torch_state(copy=False)
-            if self.shard is not None:
-                state = self._gathered_state(state)
-        elif self._eager is not None and self.shard is not None:
-            ids = {id(p): i for i, p in self._bucketed.items()}
-            state = self._gathered_state(
-                {ids[id(p)]: dict(v) for p, v in self._eager.state.items() if id(p) in ids}
-            )
-        residuals = {}
-        if self._codec.error_feedback:
-            residuals = {
-                i: b.residual[o:o + p.numel()].clone()
-                for b in self._buckets for i, p, o in zip(b.positions, b.params, b.offsets)
-            }
-        views = {id(g) for b in self._buckets for g in b.grads}
-        self._reducer.close()
-        self._abandoned.detach()
-        self._buckets = new
-        self._codec = codec
-        self._prepare_buckets()
-        for b in new:
-            for p, view in zip(b.params, b.grads):
-                if p.grad is not None and id(p.grad) in views:
-                    with torch.no_grad():
-                        view.copy_(p.grad)
-                    p.grad = view
-            for i, p, o in zip(b.positions, b.params, b.offsets):
-                if i in residuals:
-                    b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
-        self._plan_units()
-        if self._local is not None:
-            if self.shard is not None:
-                state = self._own_pieces_of(state, list(range(max(self._bucketed) + 1)))
-            unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
-            hyper = [
-                {k: v for k, v in self.param_groups[unit_group[u]].items() if k != "params"}
-                for u in range(len(self._local.group_params))
-            ]
-            self._local.load_torch_state(hyper, state)
-        elif self._eager is not None and self.shard is not None:
-            own = set(self._piece_index())
-            for i, p in self._bucketed.items():
-                self._eager.state.pop(p, None)
-                if i in own and i in state:
-                    self._eager.state[p] = {
-                        k: v.to(p.device) if isinstance(v, Tensor) else v
-                        for k, v in state[i].items()
-                    }
-        self._reducer = self._new_reducer()
-        private = self._comm_group if self._comm_group is not self.process_group else None
-        self._abandoned = weakref.finalize(self, _abandon, self._reducer, private)
-        self._abandoned.atexit = False
-
-    # ------------------------------------------------------------ stepping
 
     def step(self, closure: Optional[Any] = None) -> Optional[Any]:  # type: ignore[override]
         """Finish averaging this step's gradients and update the parameters.
@@ -542,7 +344,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                 changed in place, a group added or removed, a key deleted), before
                 anything is stepped (the reducing backward refused it already).
         """
-        scaling = _amp_scaling(self)
+        scaling = amp_scaling(self)
         try:
             with profiler_range("distopt.DataParallelOptimizer.step"):
                 return self._step(closure, scaling)
@@ -550,7 +352,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             if scaling is not None:
                 # GradScaler.step deletes them after a step that returns; after one that
                 # raised, a later step() without the scaler must not find them.
-                _drop_amp_scaling(self)
+                drop_amp_scaling(self)
             raise
 
     def _step(self, closure: Optional[Any], scaling: Optional[Any]) -> Optional[Any]:
@@ -643,216 +445,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                 self._rebuild_at_first_step()
         return loss
 
-    def _next_plan(self) -> bool:
-        """Whether the next window's buckets step as they arrive, during backward.
-
-        A GradScaler's ``scale(loss)`` cannot be seen from here, and a bucket stepped before
-        the scaler's inf/NaN check would apply scaled gradients. So they do only with
-        ``overlap=True``, a compiled class, and after a ``step()`` that came without a
-        GradScaler (``GradScaler.step`` hands this optimizer ``grad_scale`` and
-        ``found_inf``): the first step, and every step a scaler takes, wait for ``step()``,
-        while the reductions still overlap backward.
-        """
-        return self.overlap and self._eager is None and self._last_step_unscaled
-
-    def _steps_in_backward(self) -> bool:
-        """Whether this window's buckets step (or will step) during backward."""
-        if self._reducer is not None and self._reducer.reducing:
-            return self._in_backward
-        return self._next_plan()
-
-    def _check_grads_kept(self) -> None:
-        """With overlap=True the buckets were stepped during backward: a ``.grad`` changed
-        after that (DDP + torch.optim would step the change) cannot be applied any more."""
-        changed = sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
-        if changed:
-            raise RuntimeError(
-                f"Invalid step: the .grad of parameters {changed[:10]}"
-                f"{'...' if len(changed) > 10 else ''} changed between backward and step() "
-                f"(replaced, set to None, or changed in place: torch.nn.utils.clip_grad_norm_,"
-                f" zero_grad(), a scaling), but with overlap=True their buckets were stepped "
-                f"during backward with the averaged gradients, so the change is not applied "
-                f"(expected DataParallelOptimizer(..., overlap=False) to change gradients "
-                f"before step())"
-            )
-
-    def _check_untrained(self) -> None:
-        late = [i for i, p in self._untrained if p.requires_grad and p.grad is not None]
-        if late:
-            raise RuntimeError(
-                f"Invalid step: parameters {late} have gradients but had requires_grad=False "
-                f"when this DataParallelOptimizer was built, so they are in no bucket and "
-                f"would never be averaged or stepped (expected a new DataParallelOptimizer, "
-                f"after close() of this one, once they are unfrozen)"
-            )
-
-    def _before_reduction(self) -> None:
-        if self._untrained:
-            self._check_untrained()  # before any bucket is sent or stepped
-        check_groups(self.param_groups, self._built)
-        self._apply_changes()
-        self._in_backward = self._next_plan()  # before the window's first bucket is sent
-        # Under Join: the round that tells joined ranks to shadow this reduction.
-        divisor, self._join_packet = None, False
-        if self._join_config.enable:
-            divisor, self._join_packet = _join.reduction_round(self, self._in_backward)
-        for bucket in self._buckets:
-            bucket.divisor = divisor
-
-    def _apply_changes(self) -> bool:
-        """Send hyper-parameters changed in ``param_groups`` to the compiled steps; whether
-        there were any."""
-        if self._local is None:
-            return False
-        changes = pending_changes(
-            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
-        )
-        for j, values in changes.items():
-            self._local.apply_changes(
-                [(u, key, value) for u in self._units_of_group[j] for key, value in values.items()]
-            )
-            self._sent[j].update({k: snapshot(v) for k, v in values.items()})
-        return bool(changes)
-
-    def _on_reduced(self, bucket: Bucket, unused: List[int]) -> None:
-        bucket.unused = unused
-        if self._in_backward:
-            self._step_bucket(bucket)
-            bucket.mark_stepped()
-
-    def _gather_stepped(self, bucket: Bucket) -> Any:
-        """Start the gather of a bucket stepped during backward (sharded); None in a window
-        that steps in ``step()``, which gathers every bucket after its step."""
-        if not self._in_backward:
-            return None
-        return _gather(bucket, self._comm_group)
-
-    def _step_bucket(self, bucket: Bucket, scaling: Optional[Any] = None) -> None:
-        with profiler_range("distopt.dp.step", bucket.index):
-            unused = set(bucket.unused)
-            if self.shard is not None:
-                bucket.shard.load()
-                if not bucket.units:
-                    return
-            for u, slots, grads in bucket.units:
-                if unused:
-                    grads = [None if s in unused else g for s, g in zip(slots, grads)]
-                self._step_unit(u, grads, scaling)
-
-    def _step_unit(self, unit: int, grads: List[Optional[Tensor]], scaling: Optional[Any]) -> None:
-        """One compiled step of one (bucket, param group); under a GradScaler (``scaling``:
-        its ``grad_scale`` and ``found_inf``) as torch.optim steps under one."""
-        if scaling is None:
-            self._local.module.step_group(unit, grads)
-        else:
-            self._local.module.step_group_scaled(unit, grads, scaling[0], scaling[1])
-
-    def _step_all(self, scaling: Optional[Any] = None) -> None:
-        if self._eager is None:
-            for bucket in self._buckets:
-                self._take_user_grads(bucket)
-                self._step_bucket(bucket, scaling)
-        elif self.shard is None:
-            self._eager_step(scaling)
-        else:
-            self._eager_step_own(scaling)
-        if self.shard is not None:
-            self._gather_all()  # after a skipped step too: every rank gathers alike
-
-    def _eager_step(self, scaling: Optional[Any] = None) -> None:
-        """The eager optimizer's step; under a GradScaler as the scaler would step it: its
-        own ``grad_scale`` / ``found_inf`` where it takes them (``fused=True``), else its
-        gradients unscaled in place and no step after an inf or NaN."""
-        inner = self._eager
-        if scaling is None:
-            inner.step()
-        elif getattr(inner, "_step_supports_amp_scaling", False):
-            inner.grad_scale, inner.found_inf = scaling
-            try:
-                inner.step()
-            finally:
-                _drop_amp_scaling(inner)
-        elif not unscale_gradients(
-            [p.grad for g in inner.param_groups for p in g["params"]], scaling[0], scaling[1]
-        ):
-            inner.step()
-
-    def _take_user_grads(self, bucket: Bucket) -> None:
-        """Step the ``.grad`` the user left after backward, as torch.optim would: one set
-        to None is skipped, one replaced (``p.grad = p.grad * c``) is copied into the
-        bucket, where the compiled step reads it."""
-        skipped = []
-        for slot, (p, view) in enumerate(zip(bucket.params, bucket.grads)):
-            if p.grad is view:
-                continue
-            grad = _dense_grad(bucket, slot)
-            if grad is None:
-                skipped.append(slot)
-            else:
-                with torch.no_grad():  # a gradient made with create_graph=True has a history
-                    view.copy_(grad)
-        if skipped:
-            bucket.unused = sorted(set(bucket.unused) | set(skipped))
-
-    def _eager_step_own(self, scaling: Optional[Any] = None) -> None:
-        """Sharded eager step: the other ranks' parameters are hidden from the eager
-        optimizer (``.grad`` None: torch.optim skips them and makes no state for them)."""
-        hidden = []
-        for bucket in self._buckets:
-            own = {pc.slot for pc in bucket.shard.own}
-            hidden.extend((p, p.grad) for k, p in enumerate(bucket.params) if k not in own)
-        for p, _ in hidden:
-            p.grad = None
-        try:
-            self._eager_step(scaling)
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
-        for bucket in self._buckets:
-            bucket.shard.load()
-
-    def _gather_all(self) -> None:
-        """Gather every bucket's updated pieces (after a step outside backward)."""
-        works = [_gather(bucket, self._comm_group) for bucket in self._buckets]
-        for bucket, work in zip(self._buckets, works):
-            _store(bucket, work)
-
-    def _local_step_and_average(self, scaling: Optional[Any] = None) -> None:
-        """``RoundRobin``: step on this rank's gradients (under a GradScaler, each rank's
-        scaler checks its own), then average one partition."""
-        if self._eager is not None:
-            self._eager_step(scaling)
-        else:
-            self._apply_changes()
-            for bucket in self._buckets:
-                with profiler_range("distopt.dp.step", bucket.index):
-                    for u, slots, _ in bucket.units:
-                        self._step_unit(u, [_dense_grad(bucket, s) for s in slots], scaling)
-        members = self._partitions[self._round % self.sync.k]
-        self._round += 1
-        if not members:
-            return
-        params = [self._trained[m] for m in members]
-        tensors = [p.data for p in params] + self._shaped_state(params)
-        average_(tensors, self.process_group, self.world_size)
-
-    def _shaped_state(self, params: List[Tensor]) -> List[Tensor]:
-        """The state tensors shaped like their parameter (the step count is not one)."""
-        if self._eager is not None:
-            entries = [self._eager.state.get(p, {}) for p in params]
-        else:
-            wanted = {id(p) for p in params}
-            state = self._local.torch_state(copy=False)
-            position = {id(p): i for b in self._buckets for p, i in zip(b.params, b.positions)}
-            entries = [state.get(position[id(p)], {}) for p in params if id(p) in wanted]
-        out = []
-        for p, entry in zip(params, entries):
-            for key, value in entry.items():
-                if (key != "step" and isinstance(value, Tensor) and value.shape == p.shape
-                        and (value.is_floating_point() or value.is_complex())):
-                    out.append(value)
-        return out
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without reducing, as DDP's
@@ -920,46 +512,12 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             params, max_norm, norm_type, error_if_nonfinite, foreach
         )
 
-    # ------------------------------------------------------------ state
-
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
         (global index -> this rank's residual), with ``RoundRobin`` ``"sync"``, with
         PowerSGD ``"compression"``. Sharded, every rank's pieces are gathered first (a
         collective: every rank of ``process_group`` calls it, between steps)."""
         return self._state_dict(gather=True)
-
-    def _state_dict(self, gather: bool) -> Dict[str, Any]:
-        """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
-        ``"state"``, and where they lie under ``"pieces"`` (global index -> (start, stop))."""
-        check_groups(self.param_groups, self._built)
-        return state_dict_with_hooks(self, lambda: self._make_state_dict(gather))
-
-    def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
-        if self._eager is not None:
-            sd = self._eager.state_dict()
-            if gather and self.shard is not None:
-                sd["state"] = dict(sorted(self._gathered_state(sd["state"]).items()))
-        else:
-            state = self._local.torch_state(copy=gather) if self._local is not None else {}
-            if gather and self.shard is not None:
-                state = self._gathered_state(state)
-            sd = {"state": dict(sorted(state.items())),
-                  "param_groups": indexed_groups(self.param_groups)}
-        if self._codec.error_feedback:
-            sd["residuals"] = {
-                i: b.residual[o:o + p.numel()].view(p.shape).clone()
-                for b in self._buckets
-                for i, p, o in zip(b.positions, b.params, b.offsets)
-            }
-        if not gather and self.shard is not None:
-            sd["pieces"] = {i: (a, b) for i, (a, b, _) in self._piece_index().items()}
-        extra = self._codec.state_dict()
-        if extra is not None:
-            sd["compression"] = extra
-        if self.sync is not None:
-            sd["sync"] = {"round": self._round}
-        return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict of this class (a local torch.optim one too); everything is
@@ -970,138 +528,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
                 that does not fit, named.
         """
         load_state_dict_with_hooks(self, state_dict, lambda sd: self._checked_loader(sd)())
-
-    def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
-        """Check ``state_dict`` against this optimizer; return what loads it (no check left
-        to fail but the eager optimizer's own). A compression state saved with other buckets
-        (``PowerSGD``'s ``layout``: the saving optimizer had rebuilt them) is loaded after
-        this optimizer's buckets are cut as it says."""
-        check_groups(self.param_groups, self._built)
-        saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
-        residuals = self._check_residuals(state_dict, saved_ids)
-        relayout = self._saved_buckets(state_dict.get("compression"))
-        codec = self._codec if relayout is None else relayout[1]
-        load_codec = codec.checked_loader(state_dict.get("compression"))
-        rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-            raise ValueError(f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
-
-        def adopt_layout() -> None:
-            if relayout is not None:
-                self._rebuild_buckets(*relayout)
-                self._rebuild_pending = False
-
-        def own_of(whole: Dict[Any, Any], keyed_by_saved: bool) -> Dict[Any, Any]:
-            """This rank's part of a whole state (the pieces of the present buckets)."""
-            if keyed_by_saved:  # "param": whole parameters, this rank's only
-                own = set(self._piece_index())
-                order = {saved: i for i, saved in enumerate(saved_ids)}
-                return {k: v for k, v in whole.items() if order.get(k) in own}
-            return self._own_pieces_of(whole, saved_ids)
-
-        if self._eager is not None:
-            eager_state = state_dict["state"]
-
-            def load_eager() -> None:
-                adopt_layout()
-                chosen = own_of(eager_state, True) if self.shard is not None else eager_state
-                self._eager.load_state_dict({"state": chosen, "param_groups": saved_groups})
-                self.param_groups = self._eager.param_groups
-                self.state = self._eager.state
-                self._load_extras(residuals, rounds)
-                load_codec()
-                self._fresh = False
-            return load_eager
-        position = {saved: i for i, saved in enumerate(saved_ids)}
-        whole = {position[k]: v for k, v in state_dict["state"].items() if k in position}
-        for j, saved in enumerate(saved_groups):
-            for key in self._hyper_keys:
-                if key in saved:
-                    check_hyperparameter(
-                        self.optimizer_class, key, saved[key], f"state_dict param group {j}"
-                    )
-        state = own_of(whole, False) if self.shard is not None else whole
-        if self._local is not None:
-            self._local.check_torch_state(state)
-
-        def load_compiled() -> None:
-            adopt_layout()
-            mine = own_of(whole, False) if self.shard is not None else whole
-            if self._local is not None:
-                unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
-                hyper = [
-                    {k: v for k, v in saved_groups[unit_group[u]].items() if k != "params"}
-                    for u in range(len(self._local.group_params))
-                ]
-                self._local.load_torch_state(hyper, mine)
-            for group, saved in zip(self.param_groups, saved_groups):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-            self._sent = [
-                {k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups
-            ]
-            self._load_extras(residuals, rounds)
-            load_codec()
-            self._fresh = False
-        return load_compiled
-
-    def _saved_buckets(self, compression: Any) -> Optional[Tuple[List[Bucket], Compression]]:
-        """The buckets (and the scheme bound to them) a compression state was saved with,
-        where they differ from this optimizer's; None where they do not (or it names none).
-
-        Raises:
-            ValueError: the layout does not fit this optimizer's parameters, or this
-                optimizer is sharded and has state already (cutting its state again needs
-                every rank: a rebuild happens at the end of a step, or before the first).
-        """
-        layout = compression.get("layout") if isinstance(compression, dict) else None
-        if layout is None or self._reducer is None or layout == self.bucket_layout():
-            return None
-        where = "state_dict['compression']['layout']"
-        buckets = self._layout_buckets(layout, where)
-        if self.shard is not None and not self._fresh:
-            raise ValueError(
-                f"Invalid {where}: {layout!r} (expected this optimizer's buckets "
-                f"{self.bucket_layout()!r}: a sharded optimizer that has stepped or loaded "
-                f"state cuts its buckets again only at the end of its first step; load such "
-                f"a state into a new DataParallelOptimizer before its first step)"
-            )
-        codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, buckets)
-        return buckets, codec
-
-    def _gathered_state(self, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
-        """The whole state in torch.optim's format, keyed by global index, from every
-        rank's pieces ``mine`` (one all_gather_object), joined."""
-        pieces = self._piece_index()
-        mine = {i: (pieces[i][0], pieces[i][1], entry) for i, entry in mine.items()}
-        every: List[Any] = [mine]
-        if self.world_size > 1:
-            every = [None] * self.world_size
-            dist.all_gather_object(every, mine, group=self.process_group)
-        parts: Dict[int, List[Any]] = {}
-        for theirs in every:
-            for i, part in theirs.items():
-                parts.setdefault(i, []).append(part)
-        flat = self.shard == "flat"
-        return {
-            i: _shard.merge_pieces(ps, self._bucketed[i].shape, flat) for i, ps in parts.items()
-        }
-
-    def _piece_index(self) -> Dict[int, Any]:
-        """Global index -> (start, stop, shape of its state tensors) of this rank's pieces."""
-        return {
-            b.positions[pc.slot]: (pc.start, pc.stop, v.shape)
-            for b in self._buckets for pc, v in zip(b.shard.own, b.shard.views)
-        }
-
-    def _own_pieces_of(self, state: Dict[int, Dict[str, Any]], saved_ids: List[Any]) -> Dict[int, Dict[str, Any]]:
-        """This rank's pieces of a whole state (torch.optim's format, global index keys)."""
-        out = {}
-        for i, want in self._piece_index().items():
-            if i in state:
-                p = self._bucketed[i]
-                out[i] = _shard.cut_state(state[i], (0, p.numel(), p.shape), want,
-                                          f"state_dict['state'][{saved_ids[i]!r}]")
-        return out
 
     def state_bytes(self) -> int:
         """The bytes of optimizer state this rank holds (its shard, when sharded): every
@@ -1129,13 +555,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         if self.shard is not None:
             total += sum(b.shard.gathered_bytes(self.world_size) for b in self._buckets)
         return total
-
-    def _load_extras(self, residuals: Dict[int, Tensor], rounds: int) -> None:
-        for b in self._buckets:
-            for i, p, o in zip(b.positions, b.params, b.offsets):
-                if i in residuals:
-                    b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
-        self._round = rounds
 
     def save(self, path: str) -> Dict[str, Any]:
         """Write a checkpoint into the directory ``path``; every rank calls it.
@@ -1167,26 +586,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         """
         _checkpoint.load(self, path)
 
-    def _check_residuals(self, state_dict: Dict[str, Any], saved_ids: List[Any]) -> Dict[int, Tensor]:
-        if not self._codec.error_feedback:
-            return {}
-        position = {saved: i for i, saved in enumerate(saved_ids)}
-        out = {}
-        params = self._bucketed
-        for saved, value in state_dict.get("residuals", {}).items():
-            i = position.get(saved)
-            if i is None or i not in params:
-                raise ValueError(f"Invalid state_dict['residuals']: parameter {saved!r} (expected "
-                                 f"one of the trained parameters)")
-            if not isinstance(value, Tensor) or value.shape != params[i].shape:
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(
-                    f"Invalid state_dict['residuals'][{saved!r}]: {got} (expected a tensor of "
-                    f"shape {tuple(params[i].shape)})"
-                )
-            out[i] = value
-        return out
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the buckets are fixed at construction.
 
@@ -1209,20 +608,16 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         reference to it let go, so that the last one stops its gloo worker threads (after a
         failure a worker may be stuck in a collective: the group is left as it is)."""
         self._closed = True
-        _OPEN.discard(self)
+        teardown.unclaim(self)
         if self._forward_hook is not None:
             self._forward_hook.remove()
         if self._reducer is None:
             return True
-        self._abandoned.detach()
+        self._dropped.detach()
         stopped = self._reducer.close(timeout_s)
-        comm = self._comm_group
-        if stopped and comm is not None and comm is not self.process_group:
-            self._comm_group = None
+        if stopped:
+            teardown.release_private(self)
             self._forward_group = self.process_group
-            self._codec.release_group()
-            with contextlib.suppress(Exception):  # a peer already gone
-                _torch.destroy_private_group(comm)
         return stopped
 
     def __enter__(self) -> "DataParallelOptimizer":
@@ -1230,8 +625,6 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # ------------------------------------------------------------ buffers and Join
 
     def _before_forward(self) -> None:
         """``module``'s forward pre-hook: broadcast its buffers from the group's first rank
@@ -1284,348 +677,10 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         ordered with its reductions."""
         return self._forward_group
 
-    def _shadow_reduction(self, divisor: Optional[int], in_backward: bool) -> None:
-        """A joined rank's share of the active ranks' reduction (``distopt.parallel.join``),
-        with zero gradients from here: stepping during backward as they do
-        (``in_backward``), or leaving the window for ``_shadow_step``."""
-        if self._reducer is None:
-            return
-        if self._closed:
-            raise RuntimeError(
-                "Invalid Join: this DataParallelOptimizer was closed while the other ranks "
-                "still train (expected close() after the Join block)"
-            )
-        if self._untrained:
-            self._check_untrained()
-        check_groups(self.param_groups, self._built)
-        self._apply_changes()  # the active ranks' hyper-parameters (join._round)
-        self._in_backward = in_backward
-        self._join_packet = False
-        self._rebuild_pending = False  # the active ranks keep theirs while a rank has joined
-        for bucket in self._buckets:
-            bucket.divisor = divisor
-        try:
-            self._reducer.shadow()
-        finally:
-            if in_backward:
-                self._reducer.reset()
-
-    def _shadow_step(self, scaling: Optional[Any]) -> None:
-        """A joined rank's share of the active ranks' ``step()`` after a shadowed reduction:
-        the step, on what they sent (``distopt.parallel.join``), with the GradScaler's
-        ``scaling`` or None."""
-        try:
-            self._apply_changes()
-            self._step_all(scaling)
-            self._last_step_unscaled = scaling is None
-            self._fresh = False
-        finally:
-            self._reducer.reset()
-
-    # ------------------------------------------------------------ construction
-
-    def _check_same_everywhere(
-        self, params: List[Tensor], group_of: List[int], bucket_cap_mb: float,
-        outside: List[Tensor],
-    ) -> None:
-        """Every rank must build the same buckets (one all_gather of a signature), or the
-        collectives would pair unlike buckets: DDP refuses mismatched models too. With
-        ``module=``, its other parameters and its buffers must match as well (they are
-        broadcast)."""
-        if self.world_size == 1:
-            return
-        module = None
-        if self.module is not None:
-            module = ([(tuple(t.shape), str(t.dtype)) for t in outside],
-                      [(tuple(b.shape), str(b.dtype)) for b in self.module.buffers()],
-                      self.broadcast_buffers)
-        layout = repr((
-            [(tuple(p.shape), str(p.dtype), p.requires_grad, str(p.device.type), j)
-             for p, j in zip(params, group_of)],
-            [sorted((k, repr(v)) for k, v in g.items() if k != "params")
-             for g in self.param_groups],
-            float(bucket_cap_mb), repr(self.compression), repr(self.sync), self.shard,
-            self.backward_passes_per_step, self.optimizer_class.__name__, module,
-        ))
-        mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64,
-                            device=collective_device(self.process_group))
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine, group=self.process_group)
-        first = every[0].tolist()
-        for r, theirs in enumerate(every):
-            theirs = theirs.tolist()
-            if theirs != first:
-                raise ValueError(
-                    f"Invalid params: rank {r} of the process group built its "
-                    f"DataParallelOptimizer from {theirs[0]} parameters, rank 0 from "
-                    f"{first[0]}, and their shapes, dtypes, requires_grad, param groups, "
-                    f"hyper-parameters (lr, momentum, ...) or options (bucket_cap_mb, "
-                    f"compression, sync, shard, backward_passes_per_step, optimizer class, "
-                    f"module's buffers) differ (expected the same model and arguments on "
-                    f"every rank)"
-                )
-
-    def _broadcast_parameters(self, tensors: List[Tensor]) -> None:
-        """Every rank starts from the group's first rank's parameters (and, with
-        ``module=``, buffers), as under DDP."""
-        if self.world_size > 1:
-            _buffers.broadcast(tensors, 0, self.process_group)
-
-
-# id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
-# DataParallelOptimizer averages and steps; and the open optimizers.
-_CLAIMS: Dict[int, Any] = {}
-_OPEN: "weakref.WeakSet[DataParallelOptimizer]" = weakref.WeakSet()
-
-
-def _claimant(p: Tensor) -> Any:
-    entry = _CLAIMS.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    opt = entry[1]()
-    return opt if opt is not None and not opt._closed else None
-
-
-def _take_over(params: List[Tensor]) -> None:
-    """Two optimizers over one parameter would both average and step it: the newer one
-    takes the parameters and the older one is closed (``opt = DataParallelOptimizer(...)``
-    again builds the new one while the old is still bound)."""
-    if not any(_claimant(p) is not None for p in params):
-        return
-    gc.collect()  # an optimizer the user dropped may only be waiting for the collector
-    older: Dict[int, Any] = {}
-    for i, p in enumerate(params):
-        opt = _claimant(p)
-        if opt is not None:
-            older.setdefault(id(opt), (opt, []))[1].append(i)
-    for opt, taken in older.values():
-        warnings.warn(
-            f"DataParallelOptimizer: parameters {taken[:10]}{'...' if len(taken) > 10 else ''}"
-            f" belonged to another DataParallelOptimizer, which is now closed (its step() "
-            f"raises); close() it before building a new one over the same parameters",
-            stacklevel=3,
-        )
-        opt.close()
-
-
-def _check_group_unshared(group: Any) -> None:
-    """Two communication threads on one group would issue in a different order per rank."""
-    if group is not None and any(opt._comm_group is group for opt in list(_OPEN)):
-        raise ValueError(
-            f"Invalid process_group: {group!r} already carries the reductions of another "
-            f"open DataParallelOptimizer, whose collectives would interleave with this "
-            f"one's in a different order on each rank (expected a group of its own for "
-            f"each, e.g. dist.new_group(ranks), or process_group=None, which makes one)"
-        )
-
-
-def _claim(params: List[Tensor], opt: "DataParallelOptimizer") -> None:
-    _OPEN.add(opt)
-    for p in params:
-        _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(opt))
-    for key in [k for k, (wp, wo) in _CLAIMS.items() if wp() is None or wo() is None]:
-        del _CLAIMS[key]
-
-
-def _amp_scaling(opt: Any) -> Optional[Any]:
-    """``(grad_scale, found_inf)`` that ``GradScaler.step`` set on ``opt`` for this step
-    (``grad_scale`` None once ``scaler.unscale_(opt)`` ran), or None without a scaler."""
-    if not hasattr(opt, "found_inf"):
-        return None
-    found_inf = opt.found_inf
-    if not isinstance(found_inf, Tensor):  # 0: the scaler found no gradient to check
-        found_inf = torch.tensor(float(found_inf))
-    return getattr(opt, "grad_scale", None), found_inf
-
-
-def _drop_amp_scaling(opt: Any) -> None:
-    for name in ("grad_scale", "found_inf"):
-        if name in vars(opt):
-            delattr(opt, name)
-
-
-def _forward_pre_hook(call: Callable[[], None]) -> Callable[..., None]:
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        call()
-
-    return hook
-
 
 def _abandon(reducer: GradientReducer, private_group: Any) -> None:
     """An optimizer was freed without ``close()``: stop its threads without waiting (the
     exit joins them) and retire its private group, if nothing failed on it."""
     reducer.close(0.0)
     if private_group is not None and reducer._error is None:
-        with contextlib.suppress(Exception):  # a peer already gone
-            _torch.destroy_private_group(private_group)
-
-
-def _weak_call(method: Any) -> Callable[..., Any]:
-    """``method`` without a strong reference to its object (a no-op once it is gone)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args)
-
-    return call
-
-
-def saved_layout(state_dict: Any, param_groups: List[Dict[str, Any]]) -> Any:
-    """A state_dict's param groups and its ids of the parameters, in order, checked to
-    match ``param_groups`` in number.
-
-    Raises:
-        ValueError: not a state_dict, another group count or parameter count, named.
-    """
-    if not isinstance(state_dict, dict) or "state" not in state_dict or (
-        "param_groups" not in state_dict
-    ):
-        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-        raise ValueError(
-            f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
-        )
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(
-            f"Invalid state_dict: {len(saved_groups)} param groups (expected "
-            f"{len(param_groups)})"
-        )
-    saved_ids: List[Any] = []
-    for j, (saved, group) in enumerate(zip(saved_groups, param_groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(
-                f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
-                f"parameters (expected {len(group['params'])})"
-            )
-        saved_ids.extend(saved["params"])
-    return saved_groups, saved_ids
-
-
-def _gather(bucket: Bucket, group: Any) -> Any:
-    """Start the gather of ``bucket``'s updated pieces on ``group``."""
-    with profiler_range("distopt.dp.gather", bucket.index):
-        return bucket.shard.gather(group)
-
-
-def _store(bucket: Bucket, work: Any) -> None:
-    if work is None:  # a window that steps in step(), which gathers then
-        return
-    with profiler_range("distopt.dp.gather.wait", bucket.index):
-        work.wait()
-        bucket.shard.store()
-
-
-def _check_shard(shard: Any, optimizer_class: type, eager: bool, sync: Any) -> None:
-    if shard is None:
-        return
-    if shard not in _shard.MODES:
-        raise ValueError(f"Invalid shard: {shard!r} (expected None, 'param' or 'flat')")
-    if sync is not None:
-        raise ValueError(
-            f"Invalid shard: {shard!r} with sync={sync!r} (expected None: RoundRobin steps "
-            f"every parameter on every rank)"
-        )
-    if eager and shard == "flat":
-        raise ValueError(
-            f"Invalid shard: 'flat' for {getattr(optimizer_class, '__name__', optimizer_class)}"
-            f", which has no functional twin and steps whole parameters (expected "
-            f"shard='param', or a class of functional_optim_map with TorchScript on)"
-        )
-    if shard == "flat" and optimizer_class.__name__ in _shard.SHAPED:
-        raise ValueError(
-            f"Invalid shard: 'flat' for {optimizer_class.__name__}, whose update depends on "
-            f"each parameter's shape (expected shard='param', which keeps parameters whole)"
-        )
-
-
-def _dense_grad(bucket: Bucket, slot: int) -> Optional[Tensor]:
-    grad = bucket.params[slot].grad
-    if grad is not None and grad.layout != torch.strided:
-        raise ValueError(
-            f"Invalid gradient of parameter {bucket.positions[slot]}: {grad.layout} "
-            f"(expected a dense gradient)"
-        )
-    return grad
-
-
-def _check_options(
-    bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, overlap: Any
-) -> None:
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
-        math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0
-    ):
-        raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (expected a finite float > 0)")
-    if compression is not None and not isinstance(compression, Compression):
-        raise TypeError(
-            f"Invalid compression: {compression!r} (expected None, Cast, TopK, Threshold or "
-            f"PowerSGD)"
-        )
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"Invalid backward_passes_per_step: {passes!r} (expected an int >= 1)")
-    if sync is not None and not isinstance(sync, RoundRobin):
-        raise TypeError(f"Invalid sync: {sync!r} (expected None or RoundRobin(k))")
-    if sync is not None and compression is not None:
-        raise ValueError(
-            f"Invalid compression: {compression!r} with sync={sync!r} (expected None: "
-            f"RoundRobin averages parameters, not gradients)"
-        )
-    if not isinstance(overlap, bool):
-        raise TypeError(f"Invalid overlap: {overlap!r} (expected a bool)")
-
-
-def _group_info(process_group: Any) -> Any:
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            f"Invalid process_group: {process_group!r} (expected torch.distributed to be "
-            f"initialized first: torch.distributed.init_process_group)"
-        )
-    if process_group is dist.GroupMember.NON_GROUP_MEMBER or (
-        isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER
-    ):
-        raise ValueError(
-            f"Invalid process_group: this rank ({dist.get_rank()}) is not one of its members "
-            f"(expected a group this rank belongs to)"
-        )
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"Invalid process_group: {process_group!r} (expected None or a "
-            f"torch.distributed ProcessGroup)"
-        )
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise ValueError(
-            f"Invalid process_group: this rank ({dist.get_rank()}) is not one of its members "
-            f"(expected a group this rank belongs to)"
-        )
-    return process_group, rank, dist.get_world_size(process_group)
-
-
-def _param_groups(params: Any) -> List[Dict[str, Any]]:
-    """The constructor's parameters as new group dicts (torch.optim's rules for the rest)."""
-    if isinstance(params, Tensor):
-        raise TypeError(
-            f"Invalid params: a {type(params).__name__} (expected an iterable of Tensors or "
-            f"of param group dicts, e.g. model.parameters())"
-        )
-    items = list(params)
-    if not items:
-        raise ValueError("Invalid params: [] (expected at least one parameter)")
-    if not isinstance(items[0], dict):
-        groups = [{"params": items}]
-    else:
-        groups = []
-        for j, g in enumerate(items):
-            if not isinstance(g, dict) or "params" not in g:
-                raise TypeError(f"Invalid params[{j}]: {g!r} (expected a dict with 'params')")
-            ps = g["params"]
-            groups.append({**g, "params": [ps] if isinstance(ps, Tensor) else list(ps)})
-    # As DistributedOptimizer refuses it (distopt.owner), numbered over the groups: torch.optim
-    # only warns of a tensor given twice and steps it twice (functional.check_params).
-    pair = duplicate_pair([p for g in groups for p in g["params"]])
-    if pair is not None:
-        raise ValueError(
-            f"Invalid params: parameters {pair[0]} and {pair[1]} are the same tensor "
-            f"(expected each parameter once, in one param group)"
-        )
-    return groups
+        teardown.retire(private_group)

@@ -32,7 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 
-from distopt.parallel.buckets import Bucket
+from distopt.arguments import check_bool, check_number
+from distopt.parallel.buckets import Bucket, GradBucketView
 from distopt.parallel.compression import Compression
 
 __all__ = ["PowerSGD"]
@@ -86,17 +87,19 @@ class PowerSGD(Compression):
         orthogonalization_epsilon: float = 0,
         random_seed: int = 0,
     ) -> None:
-        _check_int("rank", rank, 1)
-        _check_int("start_iter", start_iter, 0)
-        _check_bool("use_error_feedback", use_error_feedback)
-        _check_bool("warm_start", warm_start)
+        check_number("rank", rank, "an int >= 1", lambda n: n >= 1, integer=True)
+        check_number("start_iter", start_iter, "an int >= 0", lambda n: n >= 0, integer=True)
+        check_bool("use_error_feedback", use_error_feedback)
+        check_bool("warm_start", warm_start)
         if (use_error_feedback or warm_start) and start_iter < 2:
             raise ValueError(
                 f"Invalid start_iter: {start_iter!r} (expected >= 2 with use_error_feedback "
                 f"or warm_start: torch's PowerSGDState requires it)"
             )
-        _check_number("min_compression_rate", min_compression_rate)
-        _check_number("orthogonalization_epsilon", orthogonalization_epsilon)
+        for name, value in (("min_compression_rate", min_compression_rate),
+                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
+            check_number(name, value, "a finite number >= 0",
+                         lambda v: math.isfinite(v) and v >= 0)
         if isinstance(random_seed, bool) or not isinstance(random_seed, int) or not (
             0 <= random_seed < 2**32
         ):
@@ -112,7 +115,7 @@ class PowerSGD(Compression):
         self.random_seed = random_seed
         self._state: Optional[PowerSGDState] = None
         self._buckets: List[Bucket] = []
-        self._views: Dict[int, "_GradBucketView"] = {}
+        self._views: Dict[int, GradBucketView] = {}
 
     def __repr__(self) -> str:
         return (
@@ -169,14 +172,13 @@ class PowerSGD(Compression):
 
     def issue(self, bucket: Bucket, group: Any, world_size: int) -> Any:
         """Sum the flags (async), and run torch's hook on the gradients to the end."""
-        state = self._bound_state()
         flags = dist.all_reduce(bucket.flags, group=group, async_op=True)
         view = self._views.get(bucket.index)
         if view is None or view.bucket is not bucket:  # DDP's hooks rebuild their buckets
-            view = self._views[bucket.index] = _GradBucketView(bucket)
+            view = self._views[bucket.index] = GradBucketView(bucket)
         # Waited for here, on the communication thread: the hook's later collectives are
         # issued from gloo's callback threads, and no other bucket's may be in flight then.
-        result = powerSGD_hook(state, view).wait()
+        result = powerSGD_hook(self._state, view).wait()
         grads = view.buffer()
         if result.data_ptr() != grads.data_ptr():
             grads.copy_(result)
@@ -205,7 +207,7 @@ class PowerSGD(Compression):
             raise ValueError(
                 f"Invalid numels: {numels!r} (expected this optimizer's buckets: {mine!r})"
             )
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         elements = 0
         for bucket in self._buckets:
             plain, ps, qs = self.split(bucket)
@@ -217,7 +219,7 @@ class PowerSGD(Compression):
         shape ``(n, ...)`` is an ``n x m`` matrix, compressed at rank ``r = min(n, m, rank)``
         when ``(n + m) r min_compression_rate < n m`` (torch's rule)."""
         plain = ps = qs = 0
-        for g in _shaped(bucket):
+        for g in GradBucketView(bucket).gradients():
             n = g.shape[0]
             m = g.numel() // n
             r = min(n, m, self.rank)
@@ -311,12 +313,10 @@ class PowerSGD(Compression):
         rng = _checked_rng(f"{where}['rng']", state["rng"])
 
         def load() -> None:
-            target = self._state
-            target.iter = it
-            target.error_dict = tensors["error_dict"]
-            target.p_memory_dict = tensors["p_memory_dict"]
-            target.q_memory_dict = tensors["q_memory_dict"]
-            target.rng.set_state(rng)
+            self._state.iter = it
+            for key, value in tensors.items():
+                setattr(self._state, key, value)
+            self._state.rng.set_state(rng)
 
         return load
 
@@ -340,49 +340,6 @@ class PowerSGD(Compression):
                                  f"{expected} and dtype {bucket.dtype})")
             out[i] = t.detach().to(bucket.buffer.device, copy=True)
         return out
-
-    def _bound_state(self) -> PowerSGDState:
-        if self._state is None:
-            raise RuntimeError(
-                f"Invalid use of {self!r}: it reduces buckets only once a "
-                f"DataParallelOptimizer has bound it (expected compression=PowerSGD(...))"
-            )
-        return self._state
-
-
-class _GradBucketView:
-    """What torch's ``powerSGD_hook`` reads of DDP's ``GradBucket`` (its six methods), over
-    the gradient part of one of our buckets; the flags that follow are not in it."""
-
-    def __init__(self, bucket: Bucket) -> None:
-        self.bucket = bucket
-        self._buffer = bucket.buffer[:bucket.numel]
-        self._params = [p for p in bucket.params if p.numel() > 0]
-        self._grads = _shaped(bucket)
-
-    def index(self) -> int:
-        return self.bucket.index
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def gradients(self) -> List[Tensor]:
-        return self._grads
-
-    def parameters(self) -> List[Tensor]:
-        return self._params
-
-    def is_last(self) -> bool:
-        return self.bucket.last
-
-    def set_buffer(self, buffer: Tensor) -> None:
-        self._buffer.copy_(buffer)
-
-
-def _shaped(bucket: Bucket) -> List[Tensor]:
-    """Views of the bucket's gradients shaped like their parameters, but a 0-dim one as one
-    element (the hook reads ``shape[0]``); empty ones left out (nothing to send)."""
-    return [g.view(1) if g.dim() == 0 else g for g in bucket.grads if g.numel() > 0]
 
 
 def _copies(tensors: Dict[int, Tensor]) -> Dict[int, Tensor]:
@@ -423,21 +380,3 @@ def _check_keys(where: str, value: Any, keys: Tuple[str, ...]) -> None:
                          + ([f"unexpected [{', '.join(extra)}]"] if extra else []))
         raise ValueError(f"Invalid {where}: {what} (expected the keys {list(keys)!r})")
 
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Invalid {name}: {value!r} (expected an int >= {low})")
-    if value < low:
-        raise ValueError(f"Invalid {name}: {value!r} (expected an int >= {low})")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"Invalid {name}: {value!r} (expected a bool)")
-
-
-def _check_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")

@@ -1,34 +1,22 @@
 """Averaging gradients over a process group, bucket by bucket, while backward runs.
 
-One ``GradientReducer`` serves one DataParallelOptimizer. Its life is a series of windows,
-each ending at ``step()``: some backward passes accumulate gradients in ``.grad``; the last
-one (the ``backward_passes_per_step``-th outside ``no_sync``) is the reducing pass. In it,
-each parameter's post-accumulate-grad hook copies the gradient into its bucket (and makes
-``.grad`` a view of it); a bucket whose parameters have all arrived is handed to the
-communication thread, which issues every collective, in bucket order, so every rank issues
-the same collectives in the same order (gloo requires it; torch's PowerSGD hook, issuing
-from gloo's callback threads, aborts when it is not). A second thread waits for each
-reduction, leaves the average in the bucket (so in ``.grad``) and calls ``on_reduced``,
-which may step the bucket's parameters at once, while backward goes on.
+One ``GradientReducer`` serves one DataParallelOptimizer, in windows that each end at
+``step()``: backward passes accumulate gradients in ``.grad``; the last one (the
+``backward_passes_per_step``-th outside ``no_sync``) reduces. In it each parameter's
+post-accumulate-grad hook copies the gradient into its bucket (``.grad`` becomes a view of
+it); a full bucket goes to the communication thread, which issues every collective in
+bucket order, so every rank issues the same collectives in the same order (gloo requires
+it). A finishing thread waits for each reduction, leaves the average in the bucket and calls
+``on_reduced``, which may step the bucket while backward goes on. Sharded, the
+communication thread also issues each bucket's gather once it is stepped, right after the
+next bucket's reduction (a fixed interleaving), and the finishing thread stores it.
 
-With sharded state, the communication thread also issues each bucket's gather of the
-updated parameters, right after the next bucket's reduction (the last bucket's after its
-own), once the finishing thread has stepped it: a fixed interleaving, so the order is the
-same on every rank; the finishing thread waits for each gather in turn and copies the
-parameters out. A bucket is done when its parameters are back.
-
-At the end of the reducing pass (the autograd engine's final callback) parameters the pass
-did not reach are flushed: their accumulated gradient, or zeros, goes in, and their flags
-say whether this rank used them at all; then the callback waits for every bucket, so that
-when ``backward()`` returns ``.grad`` holds the averages (as under DDP). ``complete()``
-(from ``step()``) flushes a window that never reached its reducing pass (fewer passes, the
-end of an epoch) and waits.
-
-A pass is known by the object queued as its final callback: a backward pass that raises
-drops its autograd graph task, and with it that object, without calling it; so the pass is
-over either way. A nested (reentrant) backward that opens a pass, as
-``torch.utils.checkpoint(..., use_reentrant=True)`` does, is refused: its end is not the
-outer pass's.
+At the end of the reducing pass (the autograd engine's final callback) the parameters the
+pass did not reach are flushed and every bucket is waited for, so ``.grad`` holds the
+averages when ``backward()`` returns, as under DDP; ``complete()`` (from ``step()``) does
+the same for a window that never reached its reducing pass. A pass that raises drops its
+final callback uncalled, which ends the pass too. A nested (reentrant) backward that opens a
+pass is refused: its end is not the outer pass's.
 """
 import logging
 import queue
@@ -42,7 +30,7 @@ from torch import Tensor
 from distopt._torch import backward_depth, queue_end_of_backward
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
-from distopt.parallel.teardown import join_at_exit
+from distopt.parallel.teardown import joined, start_thread
 from distopt.profiling import profiler_range
 
 logger = logging.getLogger(__name__)
@@ -56,22 +44,17 @@ class GradientReducer:
     Args:
         buckets: the buckets, in reduction order.
         codec: how each bucket is reduced.
-        group: the process group (None: the default one).
-        rank: this process's rank in ``group``.
-        world_size: ``group``'s size.
+        group: the process group (None: the default one); ``rank``, ``world_size``: in it.
         passes_per_step: backward passes per reduction.
-        before_reduction: called (on the thread running backward, or in ``complete``)
-            once per window, before its first bucket is handed over; may raise.
-        on_reduced: called on the finishing thread with each reduced bucket and the
-            positions (in the bucket) of parameters no rank gave a gradient and whose
-            ``.grad`` is None on this rank (not to be stepped; the other unused ones have
-            their own ``.grad`` back in the bucket, see ``Bucket.leave_unused``).
-        gather: sharded state (``distopt.parallel.shard``): called on the communication
-            thread with a bucket that ``on_reduced`` has stepped, starts the gather of its
-            parameters and returns what ``store`` needs; None: no gathers.
-        store: called on the finishing thread with the bucket and what ``gather`` returned.
-        record_arrival: note the global index of each parameter as its gradient arrives in
-            the first backward pass (``take_arrivals``).
+        before_reduction: called once per window before its first bucket is handed over
+            (backward's thread, or ``complete``); may raise.
+        on_reduced: called on the finishing thread with each reduced bucket and the slots
+            of the parameters no rank gave a gradient whose ``.grad`` is None here.
+        gather: sharded state: called on the communication thread with a bucket
+            ``on_reduced`` has stepped; starts its gather, returns what ``store`` takes
+            (on the finishing thread). None: no gathers.
+        record_arrival: note each parameter's global index as its gradient arrives in the
+            first backward pass (``take_arrivals``).
 
     Attributes:
         no_sync: backward passes while it is True accumulate and do not count.
@@ -289,13 +272,9 @@ class GradientReducer:
     def _start_threads(self) -> None:
         ref = weakref.ref(self)
         for target, name in ((_communicate, "comm"), (_finish, "finish")):
-            thread = threading.Thread(
-                target=target, args=(ref, self._ready if name == "comm" else self._issued),
-                name=f"distopt-dp-{name}-rank{self.rank}", daemon=True,
-            )
-            thread.start()
-            join_at_exit(thread)
-            self._threads.append(thread)
+            self._threads.append(start_thread(
+                target, (ref, self._ready if name == "comm" else self._issued),
+                f"distopt-dp-{name}-rank{self.rank}"))
 
     # ------------------------------------------------------------ step()
 
@@ -432,10 +411,7 @@ class GradientReducer:
             handle.remove()
         self._handles = []
         _stop(self._ready, self._issued, [])
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout_s)
-        self._threads = [thread for thread in self._threads if thread.is_alive()]
+        self._threads = joined(self._threads, timeout_s)
         idle = not self._threads and self._error is None
         if idle:
             self.group = self.gather = self.store = None

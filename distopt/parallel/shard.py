@@ -21,18 +21,26 @@ part ``r``, and copied back into the parameters.
 Stepping a piece equals stepping its whole parameter, bit for bit, for every elementwise
 class (the same elements meet the same operands in the same lanes), so sharded training
 equals unsharded training exactly.
+
+Every sharded part of the optimizer is here: ``attach`` (the pieces), ``step_own`` (an eager
+class on this rank's parameters), ``gather`` / ``store`` / ``gather_all`` (the updated
+pieces back into every rank's parameters), ``piece_index``, ``gathered_state``,
+``own_pieces_of``, ``cut_state``, ``merge_pieces`` (state between whole and pieces).
 """
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from distopt._torch import all_gather_flat
 from distopt.parallel.buckets import Bucket
+from distopt.profiling import profiler_range
 
 __all__ = [
-    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "cut_state", "laid_out", "merge_pieces", "split",
-    "state_size",
+    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "attach", "cut_state", "gather", "gather_all",
+    "gathered_state", "laid_out", "merge_pieces", "own_pieces_of", "piece_index", "split",
+    "state_size", "step_own", "store",
 ]
 
 #: Cuts inside a parameter fall at multiples of this many elements from its start.
@@ -96,20 +104,7 @@ class Shard:
     def load(self) -> None:
         """Copy this rank's pieces of the parameters into ``buffer`` (the parameters may
         have been changed since the last gather, e.g. by ``load_state_dict``)."""
-        if not self.own:
-            return
-        params = self.bucket.params
-        targets, sources = [], []
-        with torch.no_grad():
-            for piece, place, view in zip(self.own, self._places[self.rank], self.views):
-                p = params[piece.slot]
-                if p.is_contiguous():
-                    targets.append(place)
-                    sources.append(p.view(-1)[piece.start:piece.stop])
-                else:  # whole, laid out as the parameter is
-                    view.copy_(p)
-            if targets:
-                torch._foreach_copy_(targets, sources)
+        self._copy(zip(self.own, self._places[self.rank]), into_buffer=True)
 
     def gather(self, group: Any) -> Any:
         """Start the all_gather of every rank's part (returns the work)."""
@@ -117,23 +112,41 @@ class Shard:
 
     def store(self) -> None:
         """Copy every rank's pieces from ``buffer`` into the parameters."""
+        self._copy([pair for part, places in zip(self.pieces, self._places)
+                    for pair in zip(part, places)], into_buffer=False)
+
+    def _copy(self, pairs: Iterable[Tuple[Piece, Tensor]], into_buffer: bool) -> None:
         params = self.bucket.params
         targets, sources = [], []
         with torch.no_grad():
-            for part, places in zip(self.pieces, self._places):
-                for piece, place in zip(part, places):
-                    p = params[piece.slot]
-                    if p.is_contiguous():
-                        targets.append(p.view(-1)[piece.start:piece.stop])
-                        sources.append(place)
-                    else:  # whole, laid out as the parameter is
-                        p.copy_(laid_out(place, p))
+            for piece, place in pairs:
+                p = params[piece.slot]
+                if p.is_contiguous():
+                    flat = p.view(-1)[piece.start:piece.stop]
+                    targets.append(place if into_buffer else flat)
+                    sources.append(flat if into_buffer else place)
+                elif into_buffer:  # whole, laid out as the parameter is
+                    laid_out(place, p).copy_(p)
+                else:
+                    p.copy_(laid_out(place, p))
             if targets:
                 torch._foreach_copy_(targets, sources)
 
     def gathered_bytes(self, world_size: int) -> int:
         """The bytes one rank sends for the gather (its part, to every other rank)."""
         return (world_size - 1) * self.width * self.buffer.element_size()
+
+
+def attach(buckets: Sequence[Bucket], world_size: int, rank: int, mode: str,
+           optimizer_class: type) -> None:
+    """Give each bucket its ``Shard``, the state balanced by ``state_size`` over the ranks."""
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    name = "Adafactor" if adafactor and issubclass(optimizer_class, adafactor) else ""
+    pieces = split(buckets, world_size, mode, [
+        [state_size(name, p) * p.element_size() for p in b.params] for b in buckets
+    ])
+    for bucket, parts in zip(buckets, pieces):
+        bucket.shard = Shard(bucket, parts, rank, whole=mode == "param")
 
 
 def laid_out(place: Tensor, p: Tensor) -> Tensor:
@@ -280,3 +293,83 @@ def merge_pieces(
         else:
             out[key] = value
     return out
+
+
+def gather(bucket: Bucket, group: Any) -> Any:
+    """Start the gather of ``bucket``'s updated pieces on ``group``."""
+    with profiler_range("distopt.dp.gather", bucket.index):
+        return bucket.shard.gather(group)
+
+
+def store(bucket: Bucket, work: Any) -> None:
+    """Wait for ``gather``'s work and copy the pieces into the parameters (None: a window
+    that steps in ``step()``, which gathers then)."""
+    if work is None:
+        return
+    with profiler_range("distopt.dp.gather.wait", bucket.index):
+        work.wait()
+        bucket.shard.store()
+
+
+def gather_all(buckets: Sequence[Bucket], group: Any) -> None:
+    """Gather every bucket's updated pieces (after a step outside backward)."""
+    works = [gather(bucket, group) for bucket in buckets]
+    for bucket, work in zip(buckets, works):
+        store(bucket, work)
+
+
+def piece_index(buckets: Sequence[Bucket]) -> Dict[int, Any]:
+    """Global index -> (start, stop, shape of its state tensors) of this rank's pieces."""
+    return {
+        b.positions[pc.slot]: (pc.start, pc.stop, v.shape)
+        for b in buckets for pc, v in zip(b.shard.own, b.shard.views)
+    }
+
+
+def gathered_state(opt: Any, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """The whole state in torch.optim's format, keyed by global index, from every rank's
+    pieces ``mine`` of ``opt`` (one all_gather_object), joined."""
+    pieces = piece_index(opt._buckets)
+    mine = {i: (pieces[i][0], pieces[i][1], entry) for i, entry in mine.items()}
+    every: List[Any] = [mine]
+    if opt.world_size > 1:
+        every = [None] * opt.world_size
+        dist.all_gather_object(every, mine, group=opt.process_group)
+    parts: Dict[int, List[Any]] = {}
+    for theirs in every:
+        for i, part in theirs.items():
+            parts.setdefault(i, []).append(part)
+    flat = opt.shard == "flat"
+    return {i: merge_pieces(ps, opt._bucketed[i].shape, flat) for i, ps in parts.items()}
+
+
+def own_pieces_of(opt: Any, state: Dict[int, Dict[str, Any]],
+                  saved_ids: Sequence[Any]) -> Dict[int, Dict[str, Any]]:
+    """This rank's pieces of a whole state of ``opt`` (torch.optim's format, global index
+    keys); ``saved_ids`` name the entries in errors."""
+    out = {}
+    for i, want in piece_index(opt._buckets).items():
+        if i in state:
+            p = opt._bucketed[i]
+            out[i] = cut_state(state[i], (0, p.numel(), p.shape), want,
+                               f"state_dict['state'][{saved_ids[i]!r}]")
+    return out
+
+
+def step_own(buckets: Sequence[Bucket], step: Callable[[], None]) -> None:
+    """An eager optimizer's ``step()`` on this rank's parameters only: the others' ``.grad``
+    is hidden (None: torch.optim skips them and makes no state for them); then this rank's
+    pieces are copied into the buffers the gather sends."""
+    hidden = []
+    for bucket in buckets:
+        own = {pc.slot for pc in bucket.shard.own}
+        hidden.extend((p, p.grad) for k, p in enumerate(bucket.params) if k not in own)
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        step()
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
+    for bucket in buckets:
+        bucket.shard.load()

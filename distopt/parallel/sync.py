@@ -9,13 +9,16 @@ What is averaged with a partition's parameters: every state tensor shaped like i
 its turn a partition is the same on every rank, model and optimizer alike; ``step`` counts
 agree already. The averages are plain means, ``exp_avg_sq`` included.
 """
-from typing import Any, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["RoundRobin", "average_", "collective_device", "partition"]
+from distopt.arguments import check_number
+
+__all__ = ["RoundRobin", "average_", "collective_device", "global_rank", "partition",
+           "through_flat"]
 
 
 class RoundRobin:
@@ -30,10 +33,7 @@ class RoundRobin:
     """
 
     def __init__(self, k: int) -> None:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"Invalid k: {k!r} (expected an int >= 1)")
-        if k < 1:
-            raise ValueError(f"Invalid k: {k!r} (expected an int >= 1)")
+        check_number("k", k, "an int >= 1", lambda n: n >= 1, integer=True)
         self.k = k
 
     def __repr__(self) -> str:
@@ -62,20 +62,32 @@ def average_(tensors: List[Tensor], group: Any, world_size: int) -> int:
     Returns:
         The number of elements averaged.
     """
-    by_dtype = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    count = 0
     with torch.no_grad():
-        for members in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in members]).div_(world_size)
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for t in members:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-            count += flat.numel()
+        return through_flat(tensors, lambda flat: dist.all_reduce(flat.div_(world_size),
+                                                                  group=group))
+
+
+def through_flat(tensors: Sequence[Tensor], collective: Callable[[Tensor], Any]) -> int:
+    """Run ``collective`` on one flat copy of ``tensors`` per (dtype, device) and copy what
+    it leaves back into them; returns the number of elements."""
+    by_kind: Dict[Any, List[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    count = 0
+    for members in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        collective(flat)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        count += flat.numel()
     return count
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (None: the default group)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 def collective_device(group: Any) -> torch.device:

@@ -1,47 +1,45 @@
-"""Closing the optimizers still open when the interpreter exits, before it tears down.
+"""The data-parallel optimizers' lifecycle: claims on parameters, closing, and the exit.
 
-A script that ends without ``close()`` (as most do, or with an exception escaping the
-training loop) leaves the optimizers' threads and gloo groups running into interpreter
-finalization. From then on Python 3.11 ends any thread but the main one that takes the GIL
-with ``pthread_exit``, and inside C++ code, which cannot be unwound that way, that aborts the
-process ("terminate called without an active exception", SIGABRT: torchrun reports the rank
-as failed). Three kinds of thread take the GIL late: distopt's communication and finishing
-threads, releasing the last step's work (its tensors) or bucket; gloo's worker threads,
-releasing a finished work, whose tensors' Python objects are released under the GIL in
-torch 2.13 (``intrusive_ptr`` drops them when its count falls to one); and the same workers
-disposing of torch's PowerSGD callbacks. ``step()`` returns as soon as the last reduction
-is complete, before any of that has happened. Measured with ``tests/parallel/exit_stress.py``
-(3 steps on 2 ranks, plain, PowerSGD and the DDP hook optimizer, ending cleanly, raising or
-after ``dist.destroy_process_group()``): 28 aborts in 200 runs before, 0 in 200 since.
+A parameter is averaged and stepped by one open optimizer: a newer one over it closes the
+older (``take_over``), and a communication group carries one optimizer's collectives
+(``check_group_unshared``). One dropped without ``close()`` stops its threads and retires
+its private group (``on_drop``, ``retire``).
 
-So the first optimizer built registers one ``atexit`` handler for the process. It runs on
-the main thread before finalization (after the handlers registered later, such as one of
-the user's that saves a checkpoint) and, while every thread can still take the GIL:
+At exit: a script that ends without ``close()`` leaves threads and gloo groups running into
+interpreter finalization, where Python 3.11 ends any non-main thread that takes the GIL with
+``pthread_exit``; inside C++ that aborts the process ("terminate called without an active
+exception"). distopt's threads (releasing the last work or bucket), gloo's workers
+(releasing a finished work's tensors, or torch's PowerSGD callbacks) take the GIL late, after
+``step()`` has returned. Measured with ``tests/parallel/exit_stress.py``: 28 aborts in 200
+runs before, 0 in 200 since. So the first optimizer built registers one ``atexit`` handler,
+which runs on the main thread before finalization (after handlers registered later, such as
+a user's that saves a checkpoint) and, while every thread can still take the GIL:
 
-1. collects garbage, so that optimizers nobody references any more (a ``main()`` that has
-   returned; some sit in reference cycles) go now: each one's finalizer stops its threads
-   and retires its private group (``distopt._torch.destroy_private_group``);
-2. closes every optimizer still open, in the order they were built, as ``close()`` would;
+1. collects garbage, so that optimizers nobody references go now (their finalizers stop
+   their threads and retire their private groups);
+2. closes every optimizer still open, in the order they were built;
 3. joins every distopt thread still running;
-4. drops every retired group, which joins its gloo worker threads (waiting first, a few
-   milliseconds at most, for the workers to let go of PowerSGD's callbacks).
+4. drops every retired group, which joins its gloo worker threads.
 
 Each wait is bounded by ``EXIT_TIMEOUT_S``: a collective stuck on a lost peer leaves its
-optimizer, thread or group as it is, as before.
+optimizer, thread or group as it is.
 """
 import atexit
+import contextlib
 import gc
 import itertools
 import logging
 import threading
+import warnings
 import weakref
-from typing import Any, Dict
+from typing import Any, Callable, Dict, List, Optional
 
 from distopt import _torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXIT_TIMEOUT_S", "close_at_exit", "join_at_exit"]
+__all__ = ["EXIT_TIMEOUT_S", "check_group_unshared", "claim", "close_at_exit", "start_thread",
+           "joined", "on_drop", "release_private", "retire", "take_over", "unclaim"]
 
 #: The longest the exit waits for one optimizer's threads, then for every retired group's
 #: workers to let go (a collective whose peer is gone waits for the group's timeout).
@@ -66,11 +64,23 @@ def close_at_exit(closable: Any) -> None:
         _open[next(_order)] = weakref.ref(closable)
 
 
-def join_at_exit(thread: threading.Thread) -> None:
-    """Have ``thread`` (a daemon thread that ends once told to) joined at exit."""
+def start_thread(target: Callable[..., None], args: Any, name: str) -> threading.Thread:
+    """A daemon thread running ``target(*args)`` (it ends once told to), started, and
+    joined at exit."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
     with _lock:
         _register()
         _threads.add(thread)
+    return thread
+
+
+def joined(threads: List[threading.Thread], timeout_s: Optional[float]) -> List[threading.Thread]:
+    """Join each of ``threads`` (but this one), up to ``timeout_s`` each; those still alive."""
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
+    return [thread for thread in threads if thread.is_alive()]
 
 
 def _register() -> None:
@@ -98,10 +108,93 @@ def _at_exit() -> None:
         del closable
     with _lock:
         threads = list(_threads)
-    for thread in threads:
-        if thread is not threading.current_thread():
-            thread.join(EXIT_TIMEOUT_S)
+    joined(threads, EXIT_TIMEOUT_S)
     del threads
     if not _torch.release_retired_groups(EXIT_TIMEOUT_S):
         logger.warning("a destroyed process group was still referenced %.0f s into the "
                        "exit; its worker threads were left running", EXIT_TIMEOUT_S)
+
+
+# id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
+# DataParallelOptimizer averages and steps; and the open optimizers.
+_CLAIMS: Dict[int, Any] = {}
+_OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _claimant(p: Any) -> Any:
+    entry = _CLAIMS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    opt = entry[1]()
+    return opt if opt is not None and not opt._closed else None
+
+
+def take_over(params: List[Any]) -> None:
+    """Two optimizers over one parameter would both average and step it: the newer one
+    takes the parameters and the older one is closed (``opt = DataParallelOptimizer(...)``
+    again builds the new one while the old is still bound)."""
+    if not any(_claimant(p) is not None for p in params):
+        return
+    gc.collect()  # an optimizer the user dropped may only be waiting for the collector
+    older: Dict[int, Any] = {}
+    for i, p in enumerate(params):
+        opt = _claimant(p)
+        if opt is not None:
+            older.setdefault(id(opt), (opt, []))[1].append(i)
+    for opt, taken in older.values():
+        warnings.warn(
+            f"DataParallelOptimizer: parameters {taken[:10]}{'...' if len(taken) > 10 else ''}"
+            f" belonged to another DataParallelOptimizer, which is now closed (its step() "
+            f"raises); close() it before building a new one over the same parameters",
+            stacklevel=3,
+        )
+        opt.close()
+
+
+def check_group_unshared(group: Any) -> None:
+    """Two communication threads on one group would issue in a different order per rank."""
+    if group is not None and any(opt._comm_group is group for opt in list(_OPEN)):
+        raise ValueError(
+            f"Invalid process_group: {group!r} already carries the reductions of another "
+            f"open DataParallelOptimizer, whose collectives would interleave with this "
+            f"one's in a different order on each rank (expected a group of its own for "
+            f"each, e.g. dist.new_group(ranks), or process_group=None, which makes one)"
+        )
+
+
+def claim(params: List[Any], opt: Any) -> None:
+    """``opt`` is open and averages ``params`` (until ``unclaim``)."""
+    _OPEN.add(opt)
+    for p in params:
+        _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    for key in [k for k, (wp, wo) in _CLAIMS.items() if wp() is None or wo() is None]:
+        del _CLAIMS[key]
+
+
+def unclaim(opt: Any) -> None:
+    """``opt`` is closed."""
+    _OPEN.discard(opt)
+
+
+def retire(group: Any) -> None:
+    """Destroy an optimizer's private group (``distopt._torch.destroy_private_group``)."""
+    with contextlib.suppress(Exception):  # a peer already gone
+        _torch.destroy_private_group(group)
+
+
+def release_private(owner: Any) -> None:
+    """Let go of ``owner._comm_group`` where it is a private group (not ``process_group``),
+    nothing being in flight on it any more, and retire it."""
+    comm = owner._comm_group
+    if comm is not None and comm is not owner.process_group:
+        owner._comm_group = None
+        owner._codec.release_group()
+        retire(comm)
+
+
+def on_drop(obj: Any, stop: Callable[..., None], *args: Any) -> weakref.finalize:
+    """Call ``stop(*args)`` when ``obj`` is freed without ``close()`` (``detach()`` the
+    result in ``close``); not at exit, which closes what is left, waiting."""
+    finalizer = weakref.finalize(obj, stop, *args)
+    finalizer.atexit = False
+    return finalizer

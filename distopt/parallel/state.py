@@ -1,0 +1,256 @@
+"""The data-parallel optimizers' state: hyper-parameter changes pushed to the compiled steps,
+``state_dict`` / ``load_state_dict`` in torch.optim's format (torch's state-dict hooks run,
+``distopt.shell``), and what ``DataParallelOptimizer`` keeps beside it: residuals, the
+compression's state, ``RoundRobin``'s round, sharded pieces (``distopt.parallel.shard``),
+checkpoints (``distopt.parallel.checkpoint``).
+
+Both optimizers step one compiled functional optimizer per *unit*: a (bucket, param group)
+for ``DataParallelOptimizer``, a param group for ``OptimizerInBackward``.
+"""
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import Tensor
+
+from distopt.local_optimizer import CompiledSteps
+from distopt.param_groups import as_keywords, check_groups, pending_changes, snapshot
+from distopt.parallel import shard as _shard
+from distopt.parallel.buckets import Bucket
+from distopt.parallel.compression import Compression
+from distopt.shell import indexed_groups, state_dict_with_hooks
+from functional import functional_optim_map
+from functional._state import check_hyperparameter
+
+__all__ = ["CompiledState", "DataParallelState", "saved_layout"]
+
+
+class CompiledState:
+    """What both data-parallel optimizers keep of their compiled steps (``_local``), one per
+    unit, ``_units_of_group[j]`` being param group ``j``'s units."""
+
+    _local: Optional[CompiledSteps] = None
+    _units_of_group: List[List[int]]
+
+    def _compile(self, units: List[Tuple[List[Tensor], List[int], Dict[str, Any]]],
+                 args: Any, kwargs: Dict[str, Any]) -> None:
+        """The compiled steps of ``units`` (parameters, global indices, options), or none."""
+        cls = self.optimizer_class
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        if units:
+            fargs, fkwargs = as_keywords(cls, args, kwargs)
+            self._local = CompiledSteps(functional_optim_map[cls], cls, *map(list, zip(*units)),
+                                        fargs, fkwargs)
+        self._reset_sent()
+        self._settable = self._local.settable(self._hyper_keys) if self._local else None
+
+    def _reset_sent(self) -> None:
+        self._sent = [{k: snapshot(g[k]) for k in self._hyper_keys} for g in self.param_groups]
+
+    def _apply_changes(self) -> bool:
+        """Send hyper-parameters changed in ``param_groups`` to the compiled steps; whether
+        there were any."""
+        if self._local is None:
+            return False
+        changes = pending_changes(
+            self.param_groups, self._sent, self._settable, self.optimizer_class.__name__
+        )
+        for j, values in changes.items():
+            self._local.apply_changes(
+                [(u, key, value) for u in self._units_of_group[j] for key, value in values.items()]
+            )
+            self._sent[j].update({k: snapshot(v) for k, v in values.items()})
+        return bool(changes)
+
+    def _load_units(self, groups: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]) -> None:
+        """Load ``state`` (global index keys) into the compiled steps, with each unit's
+        group's hyper-parameters from ``groups``."""
+        unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
+        hyper = [{k: v for k, v in groups[unit_group[u]].items() if k != "params"}
+                 for u in range(len(self._local.group_params))]
+        self._local.load_torch_state(hyper, state)
+
+    def _check_saved_hyper(self, saved_groups: List[Dict[str, Any]]) -> None:
+        for j, saved in enumerate(saved_groups):
+            for key in self._hyper_keys:
+                if key in saved:
+                    check_hyperparameter(
+                        self.optimizer_class, key, saved[key], f"state_dict param group {j}"
+                    )
+
+    def _checked_residuals(self, state_dict: Dict[str, Any], position: Dict[Any, int],
+                           params: Dict[int, Tensor]) -> Dict[int, Tensor]:
+        """``state_dict["residuals"]`` by global index, each shaped like its one of
+        ``params`` (global index -> parameter)."""
+        out = {}
+        for saved, value in state_dict.get("residuals", {}).items():
+            i = position.get(saved)
+            if i is None or i not in params:
+                raise ValueError(f"Invalid state_dict['residuals']: parameter {saved!r} (expected "
+                                 f"one of the trained parameters)")
+            if not isinstance(value, Tensor) or value.shape != params[i].shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"Invalid state_dict['residuals'][{saved!r}]: {got} (expected a tensor of "
+                    f"shape {tuple(params[i].shape)})"
+                )
+            out[i] = value
+        return out
+
+    def _adopt_groups(self, saved_groups: List[Dict[str, Any]]) -> None:
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._reset_sent()
+
+    def _state_dict(self, gather: bool = True) -> Dict[str, Any]:
+        check_groups(self.param_groups, self._built)
+        return state_dict_with_hooks(self, lambda: self._make_state_dict(gather))
+
+    def _compiled_state_dict(self, copy: bool = True) -> Dict[str, Any]:
+        state = self._local.torch_state(copy=copy) if self._local is not None else {}
+        return {"state": dict(sorted(state.items())),
+                "param_groups": indexed_groups(self.param_groups)}
+
+
+class DataParallelState(CompiledState):
+    """``DataParallelOptimizer``'s state beyond the compiled steps' (or the eager
+    optimizer's): residuals, the compression's state, ``RoundRobin``'s round; sharded, the
+    pieces every rank holds."""
+
+    def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
+        """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
+        ``"state"``, and where they lie under ``"pieces"`` (global index -> (start, stop))."""
+        sharded = self.shard is not None
+        if self._eager is not None:
+            sd = self._eager.state_dict()
+        else:
+            sd = self._compiled_state_dict(copy=gather)
+        if gather and sharded:
+            sd["state"] = dict(sorted(_shard.gathered_state(self, sd["state"]).items()))
+        if self._codec.error_feedback:
+            sd["residuals"] = self._residuals()
+        if not gather and sharded:
+            pieces = _shard.piece_index(self._buckets)
+            sd["pieces"] = {i: (a, b) for i, (a, b, _) in pieces.items()}
+        extra = self._codec.state_dict()
+        if extra is not None:
+            sd["compression"] = extra
+        if self.sync is not None:
+            sd["sync"] = {"round": self._round}
+        return sd
+
+    def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
+        """Check ``state_dict`` against this optimizer; return what loads it (no check left
+        to fail but the eager optimizer's own). A compression state saved with other buckets
+        (``PowerSGD``'s ``layout``: the saving optimizer had rebuilt them) is loaded after
+        this optimizer's buckets are cut as it says."""
+        check_groups(self.param_groups, self._built)
+        eager, sharded = self._eager is not None, self.shard is not None
+        saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
+        position = {saved: i for i, saved in enumerate(saved_ids)}
+        residuals = (self._checked_residuals(state_dict, position, self._bucketed)
+                     if self._codec.error_feedback else {})
+        relayout = self._saved_buckets(state_dict.get("compression"))
+        codec = self._codec if relayout is None else relayout[1]
+        load_codec = codec.checked_loader(state_dict.get("compression"))
+        rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(
+                f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
+        if not eager:
+            whole = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+            self._check_saved_hyper(saved_groups)
+            if self._local is not None:
+                self._local.check_torch_state(
+                    _shard.own_pieces_of(self, whole, saved_ids) if sharded else whole)
+
+        def load() -> None:
+            if relayout is not None:
+                self._rebuild_buckets(*relayout)
+                self._rebuild_pending = False
+            if eager:
+                chosen = state_dict["state"]
+                if sharded:  # whole parameters, this rank's only
+                    own = set(_shard.piece_index(self._buckets))
+                    chosen = {k: v for k, v in chosen.items() if position.get(k) in own}
+                self._eager.load_state_dict({"state": chosen, "param_groups": saved_groups})
+                self.param_groups = self._eager.param_groups
+                self.state = self._eager.state
+            else:
+                if self._local is not None:
+                    self._load_units(saved_groups, _shard.own_pieces_of(self, whole, saved_ids)
+                                     if sharded else whole)
+                self._adopt_groups(saved_groups)
+            self._put_residuals(residuals)
+            self._round = rounds
+            load_codec()
+            self._fresh = False
+        return load
+
+    def _residuals(self) -> Dict[int, Tensor]:
+        """Global index -> a copy of this rank's residual, shaped like the parameter."""
+        if not self._codec.error_feedback:
+            return {}
+        return {i: b.residual[o:o + p.numel()].view(p.shape).clone()
+                for b in self._buckets for i, p, o in zip(b.positions, b.params, b.offsets)}
+
+    def _put_residuals(self, residuals: Dict[int, Tensor]) -> None:
+        for b in self._buckets:
+            for i, p, o in zip(b.positions, b.params, b.offsets):
+                if i in residuals:
+                    b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
+
+    def _saved_buckets(self, compression: Any) -> Optional[Tuple[List[Bucket], Compression]]:
+        """The buckets (and the scheme bound to them) a compression state was saved with,
+        where they differ from this optimizer's; None where they do not (or it names none).
+
+        Raises:
+            ValueError: the layout does not fit this optimizer's parameters, or this
+                optimizer is sharded and has state already (cutting its state again needs
+                every rank: a rebuild happens at the end of a step, or before the first).
+        """
+        layout = compression.get("layout") if isinstance(compression, dict) else None
+        if layout is None or self._reducer is None or layout == self.bucket_layout():
+            return None
+        where = "state_dict['compression']['layout']"
+        buckets = self._layout_buckets(layout, where)
+        if self.shard is not None and not self._fresh:
+            raise ValueError(
+                f"Invalid {where}: {layout!r} (expected this optimizer's buckets "
+                f"{self.bucket_layout()!r}: a sharded optimizer that has stepped or loaded "
+                f"state cuts its buckets again only at the end of its first step; load such "
+                f"a state into a new DataParallelOptimizer before its first step)"
+            )
+        codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, buckets)
+        return buckets, codec
+
+
+def saved_layout(state_dict: Any, param_groups: List[Dict[str, Any]]) -> Any:
+    """A state_dict's param groups and its ids of the parameters, in order, checked to
+    match ``param_groups`` in number.
+
+    Raises:
+        ValueError: not a state_dict, another group count or parameter count, named.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or (
+        "param_groups" not in state_dict
+    ):
+        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
+        )
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"Invalid state_dict: {len(saved_groups)} param groups (expected "
+            f"{len(param_groups)})"
+        )
+    saved_ids: List[Any] = []
+    for j, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
+                f"parameters (expected {len(group['params'])})"
+            )
+        saved_ids.extend(saved["params"])
+    return saved_groups, saved_ids
