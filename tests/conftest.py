@@ -1,5 +1,6 @@
 """Fixtures shared across test folders."""
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Tuple
 
 import pytest
 
@@ -21,13 +22,21 @@ def worlds() -> Iterator[_worlds.Worlds]:
 
 
 @pytest.fixture(scope="session")
-def rnn_one_machine(tmp_path_factory):
-    """The RNN example run once on this machine, uninterrupted, with ``RNN_ARGS``:
-    (every step's loss, the final checkpoint's contents)."""
+def rnn_one_machine_run(tmp_path_factory) -> Tuple[str, Path]:
+    """The RNN example run once on this machine, uninterrupted, with ``RNN_ARGS`` (one run
+    for tests/examples and the test hosts' references): (what it printed, the folder of its
+    loss log ``losses`` and checkpoints ``ckpt``)."""
     where = tmp_path_factory.mktemp("rnn_one_machine")
     job = _worlds.Job()
     job.start([PYTHON, RNN, *RNN_ARGS, "--loss-log", str(where / "losses"),
                "--checkpoint", str(where / "ckpt")], env=local_env(), cwd=ROOT)
     assert job.finish(EXAMPLE_TIMEOUT_S) == [0], job.text()
+    return job.text(0), where
+
+
+@pytest.fixture(scope="session")
+def rnn_one_machine(rnn_one_machine_run):
+    """``rnn_one_machine_run``'s (every step's loss, the final checkpoint's contents)."""
+    where = rnn_one_machine_run[1]
     return (checkpoints.loss_log(str(where / "losses")),
             checkpoints.contents(checkpoints.latest_folder(str(where / "ckpt"))))
