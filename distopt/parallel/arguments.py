@@ -65,9 +65,9 @@ def check_options(bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, 
         )
     if eager and shard == "flat":
         raise ValueError(
-            f"Invalid shard: 'flat' for {getattr(optimizer_class, '__name__', optimizer_class)}"
-            f", which has no functional twin and steps whole parameters (expected "
-            f"shard='param', or a class of functional_optim_map with TorchScript on)"
+            f"Invalid shard: 'flat' for {optimizer_class.__name__}, which has no functional "
+            f"twin and steps whole parameters (expected shard='param', or a class of "
+            f"functional_optim_map with TorchScript on)"
         )
     if shard == "flat" and optimizer_class.__name__ in _shard.SHAPED:
         raise ValueError(
@@ -138,7 +138,6 @@ def adopt(opt: torch.optim.Optimizer, optimizer_class: type, groups: List[Dict[s
     _torch.init_optimizer_internals(opt)
     opt._hyper_keys = [k for k in opt.param_groups[0] if k != "params"]
     return inner
-
 
 
 def check_same_everywhere(opt: Any, params: List[Tensor], group_of: List[int],

@@ -1,11 +1,8 @@
 """Flat gradient buckets: which parameters travel together, and the buffer they travel in.
 
-Parameters are taken in reverse registration order (the order backward usually produces
-their gradients), split by (device, dtype), and cut into buckets of at most
-``bucket_cap_mb``; a parameter larger than the cap gets a bucket of its own. After the
-first step the optimizer cuts them again in the order their gradients arrived on the
-group's first rank (as DDP rebuilds its buckets), with a small first bucket; every rank
-takes that rank's order, so every rank issues the same collectives in the same order.
+Parameters are cut into buckets of at most ``bucket_cap_mb``, by (device, dtype), in the
+order backward produces their gradients (``assign_buckets``); every rank cuts the same
+buckets, so every rank issues the same collectives in the same order.
 
 A bucket's buffer holds every gradient, one after the other, followed by one "used" flag per
 parameter: the reduction sums the flags too, so after it every rank knows which parameters
@@ -18,6 +15,7 @@ DDP's communication hook alike; torch's ``GradBucket`` meets it here only: a DDP
 copied into a ``Bucket`` (``Bucket.of_ddp``, ``ddp_layout``), and ``GradBucketView`` shows
 torch's hooks (PowerSGD) a ``Bucket`` through ``GradBucket``'s six methods.
 """
+import itertools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -74,13 +72,9 @@ class Bucket:
         self.buffer = torch.zeros(
             self.numel + len(params), dtype=first.dtype, device=first.device
         )
-        self.grads: List[Tensor] = []
-        self.offsets: List[int] = []
-        offset = 0
-        for p in params:
-            self.offsets.append(offset)
-            self.grads.append(self.buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        self.offsets = list(itertools.accumulate((p.numel() for p in params[:-1]), initial=0))
+        self.grads = [self.buffer[o:o + p.numel()].view(p.shape)
+                      for o, p in zip(self.offsets, params)]
         self.flags = self.buffer[self.numel:]
         self.used = [False] * len(params)
         self.hooked = [-1] * len(params)

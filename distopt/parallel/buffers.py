@@ -28,22 +28,9 @@ __all__ = ["broadcast", "check_module"]
 
 def check_module(module: Optional[torch.nn.Module], params: Sequence[Tensor],
                  broadcast_buffers: Any) -> List[Tensor]:
-    """Check ``module=`` against the optimizer's parameters.
-
-    Args:
-        module: None, or the model whose parameters ``params`` are.
-        params: the optimizer's parameters, in torch.optim's order.
-        broadcast_buffers: the constructor's flag.
-
-    Returns:
-        The module's parameters that are not the optimizer's (all frozen), which are
-        broadcast at construction with the buffers, as DDP broadcasts every parameter.
-
-    Raises:
-        TypeError: ``module`` is not a ``torch.nn.Module``, ``broadcast_buffers`` not a bool.
-        ValueError: one of ``params`` is not the module's, or a parameter of the module that
-            requires grad is not one of ``params`` (its gradient would never be averaged).
-    """
+    """Check ``module=`` against the optimizer's ``params``; return the module's other
+    parameters (all frozen), broadcast at construction with the buffers, as DDP
+    broadcasts every parameter."""
     check_bool("broadcast_buffers", broadcast_buffers)
     if module is None:
         return []
@@ -77,14 +64,9 @@ def check_module(module: Optional[torch.nn.Module], params: Sequence[Tensor],
 
 
 def broadcast(tensors: Sequence[Tensor], source: int, group: Any) -> None:
-    """Copy group rank ``source``'s ``tensors`` into every rank's: one broadcast per
-    (dtype, device), written through ``.data`` (no autograd version change).
-
-    Args:
-        tensors: the same shapes and dtypes, in the same order, on every rank.
-        source: the rank in ``group`` whose values every rank takes.
-        group: the process group (None: the default one).
-    """
+    """Copy group rank ``source``'s ``tensors`` (alike on every rank) into every rank's:
+    one broadcast per (dtype, device), written through ``.data`` (no autograd version
+    change)."""
     if tensors:
         src = global_rank(group, source)
         through_flat([t.data for t in tensors], lambda t: dist.broadcast(t, src, group=group))

@@ -15,12 +15,9 @@ under a new generation id; the manifest, renamed last, names them, so a failed s
 the previous checkpoint loadable, and files of other generations are removed only after
 the new manifest is in place. Every rank reports whether its writes succeeded through one
 all_reduce before the manifest is written, and on load whether its part was accepted
-before any rank changes anything. Load refuses, on every rank and naming the file, a
-manifest that does not parse, or that names a file outside the directory (``..``, an
-absolute path, a generation that builds such a name, a symlink out); before reading a file
-it checks it against the manifest (named there, same size, same CRC-32) and refuses one
-that is missing, resized or corrupted. These checks are ``distopt.manifest``'s, shared with
-the RPC format (``distopt.checkpoint``).
+before any rank changes anything. Load refuses, on every rank and naming the file, what
+``distopt.manifest`` refuses (shared with the RPC format): a manifest that does not parse,
+a file name outside the directory, a file missing, resized or corrupted.
 """
 import logging
 import os
@@ -43,12 +40,7 @@ __all__ = ["FORMAT", "MANIFEST", "load", "save"]
 
 
 def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
-    """Whether every rank's ``ok`` is True (one all_reduce).
-
-    Raises:
-        RuntimeError: the collective failed (a rank died or timed out), naming this rank,
-            ``what`` and ``path``.
-    """
+    """Whether every rank's ``ok`` is True (one all_reduce; RuntimeError if it fails)."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
                         device=collective_device(opt.process_group))
     try:

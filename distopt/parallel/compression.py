@@ -4,14 +4,10 @@ Every scheme here runs in two halves: ``issue`` (on the communication thread: en
 the collective) and ``finish`` (wait, decode into the bucket's buffer, which then holds the
 average of the ranks' gradients and, in its flag part, how many ranks used each parameter).
 
-- no compression: the buffer is divided by the world size and all-reduced (SUM) in place;
-  a complex one as its ``view_as_real``. (Under ``torch.distributed.algorithms.Join`` with
-  ``divide_by_initial_world_size=False`` every scheme but PowerSGD divides by the number of
-  ranks not yet joined instead: ``Bucket.divisor``.)
+- no compression: the buffer is divided by the world size (``Bucket.divisor`` under Join)
+  and all-reduced (SUM) in place; a complex one as its ``view_as_real``.
 - ``Cast(dtype)``: the same in ``float16`` or ``bfloat16``; dividing first keeps float16 from
   overflowing where the sum of W gradients would.
-- The sparsifying schemes and PowerSGD take real gradients only (``check_params`` names a
-  complex parameter at construction).
 - ``TopK(ratio)`` and ``Threshold(value)`` (Apache SINGA's sparsification with error
   correction): each rank keeps the residual :math:`r` of what it did not send, adds it to its
   next gradient, :math:`a = g + r`, sends the chosen elements of :math:`a` as packed
@@ -125,8 +121,7 @@ class Compression:
 
 
 class _Dense(Compression):
-    """No compression: divide by the world size, all_reduce (SUM) the buffer in place. A
-    complex buffer travels as its real view (each element as two), as gloo reduces it."""
+    """No compression (see the module's docstring)."""
 
     takes_complex = True
 
@@ -258,10 +253,8 @@ class _Sparsify(Compression):
     def bytes_per_step(self, numels: List[Tuple[int, int]], dtype: torch.dtype,
                        world_size: int) -> float:
         index_dtype = torch.int64 if dtype == torch.float64 else torch.int32
-        total = 0
-        for n, k in numels:
-            total += (world_size - 1) * _row_bytes(self.count(n), k, index_dtype, dtype)
-        return float(total)
+        return float(sum((world_size - 1) * _row_bytes(self.count(n), k, index_dtype, dtype)
+                         for n, k in numels))
 
     def count(self, numel: int) -> int:
         """How many pairs a bucket of ``numel`` elements sends (TopK's is fixed)."""

@@ -10,11 +10,9 @@ from the thread running backward. Two hooks run distopt's machinery there:
   for the 13 dense torch.optim classes in ``functional.functional_optim_map`` and any number
   of param groups (torch's ``_register_fused_optim`` takes 8 classes and one group).
 
-Each DDP bucket is copied into a :class:`~distopt.parallel.buckets.Bucket` of its own (the
-gradients, then one "used" flag per parameter; ``Bucket.of_ddp``), the one bucket interface
-every compression scheme reduces, as for ``DataParallelOptimizer``. DDP rebuilds its
-buckets after the first iteration, so a bucket is rebuilt whenever DDP's parameters under
-its index change, and error-feedback residuals are kept per parameter across the change.
+Each DDP bucket is copied into a ``buckets.Bucket`` (``Bucket.of_ddp``), rebuilt whenever
+DDP's parameters under its index change (DDP rebuilds its buckets after the first
+iteration); error-feedback residuals are kept per parameter across the change.
 
 Every collective is issued by the hook itself, on the thread DDP calls it from, in bucket
 order, so every rank issues the same collectives in the same order (gloo aborts otherwise).
@@ -24,7 +22,7 @@ completes the future DDP waits for at the end of backward; it issues no collecti
 import logging
 import queue
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -180,15 +178,16 @@ class CompressionHookState:
             if grad_bucket.is_last():
                 self._used.clear()
         future: "torch.futures.Future[Tensor]" = torch.futures.Future()
-        self._finishing_thread()
+        if not self._threads:
+            self._threads.append(teardown.start_thread(_finish_in_order, (self._jobs,),
+                                                       f"distopt-ddp-hook-{self.rank}"))
         self._jobs.put((self._codec, pending, bucket, future, self._after, who))
         # DDP reads the value in C++, where an exception set from Python is only a value;
         # raised in a callback, it marks the chained future failed, which DDP does raise.
-        return future.then(_value)
+        return future.then(lambda done: done.wait())
 
     def _bucket(self, index: int, params: List[Tensor], ddp_buffer: Tensor) -> Bucket:
-        """The adapted bucket for DDP's bucket ``index``, built anew if its parameters
-        changed."""
+        """The adapted bucket for DDP's bucket ``index``, new if its parameters changed."""
         current = self.buckets.get(index)
         if current is not None and len(current.params) == len(params) and all(
             a is b for a, b in zip(current.params, params)
@@ -215,11 +214,6 @@ class CompressionHookState:
                         "buckets)", self.rank, index, len(params))
         self.buckets[index] = bucket
         return bucket
-
-    def _finishing_thread(self) -> None:
-        if not self._threads:
-            self._threads.append(teardown.start_thread(_finish_in_order, (self._jobs,),
-                                              f"distopt-ddp-hook-{self.rank}"))
 
     # ------------------------------------------------------------ closing
 
@@ -283,18 +277,11 @@ class CompressionHookState:
         used = self._used
         self._tracked = set(self._tracked or ()) | {id(p) for p in params}
         for p in params:
-            self._handles.append(p.register_post_accumulate_grad_hook(_mark_used(used)))
-
-
-def _mark_used(used: set) -> Callable[[Tensor], None]:
-    def hook(param: Tensor) -> None:
-        used.add(id(param))
-    return hook
+            self._handles.append(p.register_post_accumulate_grad_hook(lambda q: used.add(id(q))))
 
 
 def _abandon(jobs: "queue.SimpleQueue[Optional[_Job]]", private_group: Any) -> None:
-    """A state was freed without ``close()``: stop its finishing thread after the jobs
-    queued, without waiting (the exit joins it), and retire its private group."""
+    """A state was freed without ``close()``: stop its thread, retire its private group."""
     jobs.put(None)
     if private_group is not None:
         teardown.retire(private_group)
@@ -321,10 +308,6 @@ def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
         # A view at storage offset 0: DDP reads its parameters' gradients from the value
         # with as_strided at their offsets in the bucket.
         future.set_result(bucket.ddp_layout())
-
-
-def _value(future: "torch.futures.Future[Tensor]") -> Tensor:
-    return future.wait()
 
 
 def _where(who: Tuple[int, int, Any], bucket: Bucket) -> str:
@@ -448,13 +431,32 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
                 f"Invalid ddp_model: {type(ddp_model).__name__} (expected a "
                 f"torch.nn.parallel.DistributedDataParallel)"
             )
-        _check_dense_functional(optimizer_class)
+        _arguments.check_class(optimizer_class, False, "DDP's buckets hold dense gradients")
+        if optimizer_class not in functional_optim_map:
+            names = sorted(c.__name__ for c in functional_optim_map
+                           if c is not torch.optim.SparseAdam)
+            raise TypeError(
+                f"Invalid optimizer_class: {optimizer_class.__qualname__} has no functional "
+                f"twin in functional.functional_optim_map, and the hook steps each bucket with "
+                f"a compiled functional optimizer (expected one of {', '.join(names)})"
+            )
         groups = _arguments.param_groups(params)
         # torch.optim's own checks and defaults (the step is the compiled one).
         _arguments.adopt(self, optimizer_class, groups, args, kwargs)
-        _check_reduced_by(ddp_model, self.param_groups)
+        reduced = _reduced_by(ddp_model)
+        reduced_ids = {id(p) for _, p in reduced}
+        for j, g in enumerate(self.param_groups):  # tensors: torch.optim checked them
+            for k, p in enumerate(g["params"]):
+                if id(p) not in reduced_ids:
+                    why = ("has requires_grad=False" if not p.requires_grad else
+                           "is not one DDP reduces (not in ddp_model.module, or ignored)")
+                    raise ValueError(
+                        f"Invalid params: param group {j}, parameter {k} (shape "
+                        f"{tuple(p.shape)}) {why} (expected parameters of ddp_model.module "
+                        f"that DDP averages: the hook steps only what DDP's buckets bring)"
+                    )
         if isinstance(compression, Compression):  # every parameter DDP reduces goes through it
-            compression.check_params(_reduced_by(ddp_model))
+            compression.check_params(reduced)
         self.compression = compression
         self.hook_state = CompressionHookState(
             compression, ddp_model.process_group, after_reduction=self._step_bucket,
@@ -536,8 +538,7 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
         self.hook_state.close()
 
     def _before_backward(self) -> None:
-        """Hyper-parameters changed in ``param_groups`` since the last backward pass reach the
-        compiled steps (hook thread, before bucket 0 is sent; no step is in flight then)."""
+        """Changed hyper-parameters reach the compiled steps (before bucket 0 is sent)."""
         check_groups(self.param_groups, self._built)
         self._apply_changes()
 
@@ -574,11 +575,8 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
         sd = self._compiled_state_dict()
         if self.hook_state.error_feedback:
             params = [p for g in self.param_groups for p in g["params"]]
-            sd["residuals"] = {}
-            for i, p in enumerate(params):
-                residual = self.hook_state.residual(p)
-                if residual is not None:
-                    sd["residuals"][i] = residual.clone()
+            residuals = {i: self.hook_state.residual(p) for i, p in enumerate(params)}
+            sd["residuals"] = {i: r.clone() for i, r in residuals.items() if r is not None}
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -650,17 +648,6 @@ def optimizer_hook(
                                compression=compression, **kwargs)
 
 
-def _check_dense_functional(optimizer_class: Any) -> None:
-    _arguments.check_class(optimizer_class, False, "DDP's buckets hold dense gradients")
-    if optimizer_class not in functional_optim_map:
-        names = sorted(c.__name__ for c in functional_optim_map if c is not torch.optim.SparseAdam)
-        raise TypeError(
-            f"Invalid optimizer_class: {optimizer_class.__qualname__} has no functional twin "
-            f"in functional.functional_optim_map, and the hook steps each bucket with a "
-            f"compiled functional optimizer (expected one of {', '.join(names)})"
-        )
-
-
 def _reduced_by(ddp_model: DistributedDataParallel) -> List[Tuple[str, Tensor]]:
     """The parameters DDP reduces, with their names (DDP's own rule: the module's
     parameters that require grad and are not ignored)."""
@@ -672,18 +659,3 @@ def _reduced_by(ddp_model: DistributedDataParallel) -> List[Tuple[str, Tensor]]:
         if p.requires_grad and f"{module_name}.{name}" not in ignored
     ]
 
-
-def _check_reduced_by(ddp_model: DistributedDataParallel, groups: Sequence[Dict[str, Any]]) -> None:
-    """Every parameter must be one DDP reduces."""
-    reduced = {id(p) for _, p in _reduced_by(ddp_model)}
-    for j, g in enumerate(groups):
-        for k, p in enumerate(g["params"]):
-            if id(p) not in reduced:
-                shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
-                why = ("has requires_grad=False" if isinstance(p, Tensor) and not p.requires_grad
-                       else "is not one DDP reduces (not in ddp_model.module, or ignored)")
-                raise ValueError(
-                    f"Invalid params: param group {j}, parameter {k} (shape {shape}) {why} "
-                    f"(expected parameters of ddp_model.module that DDP averages: the hook "
-                    f"steps only what DDP's buckets bring)"
-                )

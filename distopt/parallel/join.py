@@ -2,28 +2,23 @@
 
 Under ``with Join([opt]):`` a rank that has left its loop runs ``main_hook`` once for each
 iteration the others still run, and must issue that iteration's collectives, in order, on
-the same group. An iteration is one thing the optimizer communicates for: a forward that
-broadcasts the buffers (``module=``), a step's reduction, and (once some rank has joined and
-the step waits for ``step()``) that step. Each begins with a round on ``_forward_group``
-(idle between steps): the active ranks notify Join (its all_reduce pairs with the one by
-which Join counts active ranks on the joined ones), then every rank all-gathers (active,
-plan), so every rank learns what the active ranks do (their plans must agree), how many are
-active, and the source: the highest active rank, as DDP's.
+the same group. An iteration is a forward that broadcasts the buffers (``module=``), a
+step's reduction, or (once some rank has joined and the step waits for ``step()``) that
+step. Each begins with a round on ``_forward_group``: the active ranks notify Join (pairing
+with the all_reduce by which Join counts active ranks on the joined ones), then every rank
+all-gathers (active, plan), so every rank learns the plan (the active ranks' must agree),
+how many are active, and the source: the highest active rank, as DDP's.
 
 A joined rank then receives the buffers; or reduces every bucket with zero gradients and no
 parameter used (``GradientReducer.shadow``), stepping during backward if the others do; or
-steps as they do in ``step()``. So its parameters, optimizer state and shard stay theirs
-(DDP + torch.optim leaves a joined rank's optimizer state as it was). For that the source
-sends what a joined rank cannot know: its hyper-parameters (in the reduction's round when
-buckets step during backward), and when the step waits for ``step()`` the GradScaler's
-``grad_scale`` / ``found_inf`` and every bucket's gradients as the step reads them.
-
-A joined rank contributes zero gradients through the compression (TopK / Threshold keep its
-residuals; PowerSGD runs torch's hook on zeros, as DDP's join hook does). The sum is divided
-by the world size, or with ``divide_by_initial_world_size=False`` by the active ranks
-(``Bucket.divisor``). Refused when the Join is built: ``sync=RoundRobin`` and PowerSGD with
-``divide_by_initial_world_size=False``. When every rank has joined, ``post_hook`` broadcasts
-the buffers from the highest last joiner, as DDP's final sync does.
+steps as they do in ``step()``, on what the source sends: its hyper-parameters, the
+GradScaler's scaling and the gradients the step reads. So its parameters, optimizer state
+and shard stay theirs. Zero gradients go through the compression (TopK / Threshold keep
+their residuals; PowerSGD runs torch's hook on zeros, as DDP's join hook does); the sum is
+divided by the world size, or with ``divide_by_initial_world_size=False`` by the active
+ranks (``Bucket.divisor``). Refused: ``sync=RoundRobin``, and PowerSGD with
+``divide_by_initial_world_size=False``. When every rank has joined, ``post_hook``
+broadcasts the buffers from the highest last joiner, as DDP's final sync does.
 """
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -199,11 +194,9 @@ def _share(opt: Any, extra: Any, joined: bool) -> Any:
 
 
 def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any]:
-    """What a step that waits for ``step()`` reads, from the source to every rank: its
-    hyper-parameters, the GradScaler's ``(grad_scale, found_inf)`` (as numbers: a tensor
-    would travel with its device) and each bucket's gradients, its flags saying which
-    ``.grad`` is None (skipped). A joined rank takes them into its buckets and ``.grad``;
-    returns the scaling it steps with there."""
+    """What a step that waits for ``step()`` reads, from the source to every rank: the
+    hyper-parameters, the GradScaler's scaling and each bucket's gradients (its flags: which
+    ``.grad`` is None). Returns the scaling a joined rank steps with."""
     numbers = None
     if scaling is not None:
         numbers = tuple(None if t is None else (t.tolist(), t.dtype) for t in scaling)
@@ -234,8 +227,7 @@ def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any
 
 
 def _shadow_reduction(opt: Any, divisor: Optional[int], in_backward: bool) -> None:
-    """A joined rank's share of the active ranks' reduction, with zero gradients: stepping
-    during backward as they do (``in_backward``), or leaving the window for ``_shadow_step``."""
+    """A joined rank's share of the active ranks' reduction, with zero gradients."""
     if opt._reducer is None:
         return
     if opt._closed:
@@ -243,8 +235,7 @@ def _shadow_reduction(opt: Any, divisor: Optional[int], in_backward: bool) -> No
             "Invalid Join: this DataParallelOptimizer was closed while the other ranks "
             "still train (expected close() after the Join block)"
         )
-    if opt._untrained:
-        opt._check_untrained()
+    opt._check_untrained()
     check_groups(opt.param_groups, opt._built)
     opt._apply_changes()  # the active ranks' hyper-parameters (join._round)
     opt._in_backward = in_backward
@@ -260,8 +251,7 @@ def _shadow_reduction(opt: Any, divisor: Optional[int], in_backward: bool) -> No
 
 
 def _shadow_step(opt: Any, scaling: Optional[Any]) -> None:
-    """A joined rank's share of the active ranks' ``step()`` after a shadowed reduction: the
-    step, on what they sent, with the GradScaler's ``scaling`` or None."""
+    """A joined rank's share of the active ranks' ``step()``, on what they sent."""
     try:
         opt._apply_changes()
         opt._step_all(scaling)

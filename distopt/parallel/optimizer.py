@@ -1,35 +1,28 @@
 r"""``DataParallelOptimizer``: a torch.optim optimizer whose gradients are averaged over ranks.
 
 Every rank holds the whole model and runs forward and backward on its own batch; the
-optimizer averages the gradients over the process group while backward runs and steps.
-The step is a compiled functional optimizer, one per (bucket, param group), so that with
-``overlap=True`` a bucket's parameters are updated as soon as its reduction has arrived,
-without the GIL, while backward computes the rest; stepping bucket by bucket equals one
-step over everything, bit for bit, because no torch.optim algorithm couples parameters.
-Classes with no functional twin run eagerly, once every bucket has arrived.
-
-The optimizer is split by job, a module each: ``arguments`` (every check, before any
-collective), ``plan`` (``StepPlan``: buckets, compiled steps, where each bucket steps),
-``shard`` (sharded state), ``state`` (``DataParallelState``: state_dict, residuals;
-``checkpoint``: save, load), ``teardown`` (claims on parameters, close, exit), ``join``
-(uneven inputs), ``buffers`` (``module=``); this module holds the public methods.
+gradients are averaged over the process group while backward runs, in buckets, and each
+bucket is stepped by compiled functional optimizers (one per bucket and param group), with
+``overlap=True`` as soon as its average arrives, without the GIL: no torch.optim algorithm
+couples parameters, so stepping bucket by bucket equals one step, bit for bit. Classes with
+no functional twin step eagerly after the last bucket. This module holds the public
+methods; each other job has a module: ``arguments``, ``plan``, ``shard``, ``state``,
+``checkpoint``, ``teardown``, ``join``, ``buffers``.
 
 One backward pass, as data:
 backward → the parameter's post-accumulate-grad hook (``reducer.GradientReducer.on_grad``;
 the window's first calls ``plan.StepPlan._before_reduction``: ``param_groups`` checked,
-changed hyper-parameters sent to the compiled steps (``state``), the plan chosen, a Join
-round) → its gradient into its ``buckets.Bucket`` (``.grad`` becomes a view of it) → the
-bucket full: the communication thread issues its collective (``compression`` /
-``powersgd``: ``issue``; the scheme owns its state) → the finishing thread completes it
-(``finish``, ``Bucket.leave_unused``) → ``plan.StepPlan._on_reduced``: stepping during
-backward, the bucket's compiled steps (``CompiledSteps.module.step_group``, GIL released;
-sharded: this rank's pieces, then ``shard.gather`` on the communication thread and
-``shard.store`` on the finishing one) → the pass's final callback flushes what the pass did
-not reach and waits for every bucket. ``step()`` → ``GradientReducer.complete`` (waits) →
-buckets not stepped during backward (GradScaler, clipping, eager classes):
-``plan.StepPlan._step_all`` (sharded: then ``shard.gather_all``) → after the first step,
-``plan.StepPlan._rebuild_at_first_step``. (``RoundRobin`` reduces nothing: ``step()`` →
-``plan.StepPlan._local_step_and_average``.)
+changed hyper-parameters sent to the compiled steps, the plan chosen, a Join round) → its
+gradient into its ``buckets.Bucket`` (``.grad`` becomes a view of it) → the bucket full:
+the communication thread issues its collective (``compression`` / ``powersgd``: ``issue``)
+→ the finishing thread completes it (``finish``, ``Bucket.leave_unused``) →
+``StepPlan._on_reduced``: stepping during backward, the bucket's compiled steps (sharded:
+this rank's pieces, then ``shard.gather`` / ``shard.store``) → the pass's final callback
+flushes what the pass did not reach and waits for every bucket. ``step()`` →
+``GradientReducer.complete`` (waits) → buckets not stepped during backward (GradScaler,
+clipping, eager classes): ``StepPlan._step_all`` (sharded: then ``shard.gather_all``) →
+after the first step, ``StepPlan._rebuild_at_first_step``. (``RoundRobin`` reduces
+nothing: ``step()`` → ``StepPlan._local_step_and_average``.)
 """
 import contextlib
 import logging
@@ -248,7 +241,6 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         )
 
         self._round = 0
-        self._partitions: List[List[int]] = []
         self._reducer: Optional[GradientReducer] = None
         if sync is not None:
             self._trained = [all_params[i] for i in trained]
@@ -301,8 +293,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         )
 
     def _watch(self) -> None:
-        """Dropped without close(): stop the threads, retire the private group (its last
-        reference must go where it can join its workers: ``distopt.parallel.teardown``)."""
+        """Dropped without close(): stop the threads, retire the private group."""
         private = self._comm_group if self._comm_group is not self.process_group else None
         self._dropped = teardown.on_drop(self, _abandon, self._reducer, private)
 
@@ -360,10 +351,9 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._untrained:
-            # Also here: the reduction's own check, at its start, precedes the gradients of
-            # the parameters backward reaches last.
-            self._check_untrained()
+        # Also here: the reduction's own check, at its start, precedes the gradients of
+        # the parameters backward reaches last.
+        self._check_untrained()
         if self._closed:
             raise RuntimeError(
                 "Invalid step: this DataParallelOptimizer is closed (by close(), its `with` "
@@ -546,12 +536,11 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         Raises:
             ValueError: the compression's bytes depend on the gradients (Threshold).
         """
-        total = 0.0
         by_dtype: Dict[torch.dtype, List[Any]] = {}
         for b in self._buckets:
             by_dtype.setdefault(b.dtype, []).append((b.numel, len(b.params)))
-        for dtype, numels in by_dtype.items():
-            total += self._codec.bytes_per_step(numels, dtype, self.world_size)
+        total = sum(self._codec.bytes_per_step(numels, dtype, self.world_size)
+                    for dtype, numels in by_dtype.items())
         if self.shard is not None:
             total += sum(b.shard.gathered_bytes(self.world_size) for b in self._buckets)
         return total
@@ -604,11 +593,8 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
 
     def _close(self, timeout_s: Optional[float]) -> bool:
         """``close()``, waiting up to ``timeout_s`` for each thread; whether they stopped
-        with no collective failed. Only then is the private group destroyed, and every
-        reference to it let go, so that the last one stops its gloo worker threads (after a
-        failure a worker may be stuck in a collective: the group is left as it is)."""
+        with no collective failed (only then is the private group destroyed)."""
         self._closed = True
-        teardown.unclaim(self)
         if self._forward_hook is not None:
             self._forward_hook.remove()
         if self._reducer is None:
@@ -627,9 +613,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         self.close()
 
     def _before_forward(self) -> None:
-        """``module``'s forward pre-hook: broadcast its buffers from the group's first rank
-        (under Join, the highest rank not joined) when the last forward was a synchronising
-        one, as DDP does (``distopt.parallel.buffers``)."""
+        """``module``'s forward pre-hook: the buffers broadcast, as DDP does."""
         sync = self._sync_next_forward
         self._sync_next_forward = torch.is_grad_enabled() and (
             self._reducer is None or self._reducer.next_pass_reduces()
@@ -679,8 +663,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
 
 
 def _abandon(reducer: GradientReducer, private_group: Any) -> None:
-    """An optimizer was freed without ``close()``: stop its threads without waiting (the
-    exit joins them) and retire its private group, if nothing failed on it."""
+    """An optimizer was freed without ``close()``: stop its threads, retire its group."""
     reducer.close(0.0)
     if private_group is not None and reducer._error is None:
         teardown.retire(private_group)

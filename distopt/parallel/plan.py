@@ -1,15 +1,9 @@
 """The step plan: where each bucket of a DataParallelOptimizer steps.
 
-Buckets and compiled steps are cut once (``_plan_units``: one compiled step per (bucket,
-param group), on this rank's pieces when sharded) and again after the first step, in the
-order the gradients arrived (``_rebuild_at_first_step``). Each window then decides, before
-its first bucket is sent (``_before_reduction``), where its buckets step:
-
-- during backward, as each reduction arrives (``overlap=True``, a compiled class, and the
-  last ``step()`` came without a GradScaler: ``_next_plan``), then sharded buckets gather;
-- in ``step()``, after the last bucket (GradScaler, clipping, eager classes: ``_step_all``);
-- sharded: this rank's pieces only, then every bucket's gather (``distopt.parallel.shard``);
-- ``RoundRobin``: every rank steps its own gradients, then averages one partition.
+Buckets and compiled steps are cut once (``_plan_units``) and again after the first step,
+in the order the gradients arrived (``_rebuild_at_first_step``). Each window decides before
+its first bucket is sent (``_before_reduction``) whether its buckets step during backward
+(``_next_plan``) or in ``step()`` (``_step_all``); sharded, on this rank's pieces only.
 """
 import logging
 import weakref
@@ -47,13 +41,11 @@ class StepPlan(DataParallelState):
                 bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
 
     def _plan_units(self) -> None:
-        """The shards (sharded state) and one compiled step per (bucket, param group), from
-        the buckets and the groups' current hyper-parameters."""
+        """The shards and one compiled step per (bucket, param group)."""
         shard, group_of = self.shard, self._group_of
         if shard is not None:
             _shard.attach(self._buckets, self.world_size, self.rank, shard, self.optimizer_class)
         args, kwargs, options = self._ctor
-        # One functional optimizer per (bucket, param group): a bucket steps on its own.
         self._units_of_group: List[List[int]] = [[] for _ in self.param_groups]
         units: List[Any] = []
         for bucket in self._buckets:
@@ -85,9 +77,8 @@ class StepPlan(DataParallelState):
         )
 
     def _arrival_order(self) -> List[int]:
-        """The first step's arrival order (global indices) on the group's first rank, taken
-        by every rank (one broadcast). The parameters whose gradient did not arrive follow
-        in the present order."""
+        """The first step's arrival order (global indices) on the group's first rank, then
+        the parameters whose gradient did not arrive; every rank takes it (one broadcast)."""
         present = [i for b in self._buckets for i in b.positions]
         order = list(dict.fromkeys(self._reducer.take_arrivals()))
         got = set(order)
@@ -101,8 +92,7 @@ class StepPlan(DataParallelState):
 
     def _layout_buckets(self, layout: Any, where: str) -> List[Bucket]:
         """New buckets cut as ``layout`` (bucket -> global indices) says; ValueError naming
-        ``where`` unless it holds every bucketed parameter once, one dtype and device a
-        bucket."""
+        ``where`` where it cannot be."""
         trained = self._bucketed
         flat = [i for ps in layout for i in ps] if isinstance(layout, list) and all(
             isinstance(ps, list) and ps for ps in layout) else None
@@ -119,10 +109,8 @@ class StepPlan(DataParallelState):
         return new
 
     def _rebuild_at_first_step(self) -> None:
-        """The end of the first step (every rank alike): cut the buckets again in the order
-        the gradients arrived on the group's first rank, as DDP does, with DDP's small
-        first bucket (also where the order is the construction's, as DDP); a compression
-        whose state cannot follow keeps them."""
+        """The end of the first step: cut the buckets again in the order the gradients
+        arrived, as DDP does (unless the compression's state cannot follow)."""
         self._rebuild_pending = False
         carried = self._codec.carried_state()
         if carried is False:  # the same on every rank: its state is the same shape
@@ -143,8 +131,7 @@ class StepPlan(DataParallelState):
 
     def _rebuild_buckets(self, new: List[Bucket], codec: Compression) -> None:
         """Replace the buckets by ``new`` (reduced by ``codec``), carrying the optimizer
-        state (gathered and cut again, when sharded) and the residuals over unchanged; each
-        ``.grad`` that was a view of its bucket keeps its values, as a view of the new one.
+        state, the residuals and each ``.grad`` that was a view of its bucket over unchanged.
         Between steps only (a collective, when sharded)."""
         state: Dict[int, Dict[str, Any]] = {}
         if self._fresh:
@@ -208,8 +195,7 @@ class StepPlan(DataParallelState):
         return self._next_plan()
 
     def _check_grads_kept(self) -> None:
-        """With overlap=True the buckets were stepped during backward: a ``.grad`` changed
-        after that (DDP + torch.optim would step the change) cannot be applied any more."""
+        """A ``.grad`` changed after backward stepped its bucket cannot be applied."""
         changed = sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
         if changed:
             raise RuntimeError(
@@ -233,8 +219,7 @@ class StepPlan(DataParallelState):
             )
 
     def _before_reduction(self) -> None:
-        if self._untrained:
-            self._check_untrained()  # before any bucket is sent or stepped
+        self._check_untrained()  # before any bucket is sent or stepped
         check_groups(self.param_groups, self._built)
         self._apply_changes()
         self._in_backward = self._next_plan()  # before the window's first bucket is sent
@@ -252,8 +237,7 @@ class StepPlan(DataParallelState):
             bucket.mark_stepped()
 
     def _gather_stepped(self, bucket: Bucket) -> Any:
-        """Start the gather of a bucket stepped during backward (sharded); None in a window
-        that steps in ``step()``, which gathers every bucket after its step."""
+        """Start the gather of a bucket stepped during backward (sharded), else None."""
         if not self._in_backward:
             return None
         return _shard.gather(bucket, self._comm_group)
@@ -263,16 +247,13 @@ class StepPlan(DataParallelState):
             unused = set(bucket.unused)
             if self.shard is not None:
                 bucket.shard.load()
-                if not bucket.units:
-                    return
             for u, slots, grads in bucket.units:
                 if unused:
                     grads = [None if s in unused else g for s, g in zip(slots, grads)]
                 self._step_unit(u, grads, scaling)
 
     def _step_unit(self, unit: int, grads: List[Optional[Tensor]], scaling: Optional[Any]) -> None:
-        """One compiled step of one (bucket, param group); under a GradScaler (``scaling``:
-        its ``grad_scale`` and ``found_inf``) as torch.optim steps under one."""
+        """One compiled step of one (bucket, param group), under ``scaling`` if not None."""
         if scaling is None:
             self._local.module.step_group(unit, grads)
         else:
@@ -291,9 +272,7 @@ class StepPlan(DataParallelState):
             _shard.gather_all(self._buckets, self._comm_group)
 
     def _eager_step(self, scaling: Optional[Any] = None) -> None:
-        """The eager optimizer's step; under a GradScaler as the scaler would step it: its
-        own ``grad_scale`` / ``found_inf`` where it takes them (``fused=True``), else its
-        gradients unscaled in place and no step after an inf or NaN."""
+        """The eager optimizer's step; under a GradScaler as the scaler would step it."""
         inner = self._eager
         if scaling is None:
             inner.step()
@@ -309,9 +288,8 @@ class StepPlan(DataParallelState):
             inner.step()
 
     def _take_user_grads(self, bucket: Bucket) -> None:
-        """Step the ``.grad`` the user left after backward, as torch.optim would: one set
-        to None is skipped, one replaced (``p.grad = p.grad * c``) is copied into the
-        bucket, where the compiled step reads it."""
+        """Step the ``.grad`` the user left after backward, as torch.optim would (None:
+        skipped)."""
         skipped = []
         for slot, (p, view) in enumerate(zip(bucket.params, bucket.grads)):
             if p.grad is view:

@@ -207,12 +207,8 @@ class PowerSGD(Compression):
             raise ValueError(
                 f"Invalid numels: {numels!r} (expected this optimizer's buckets: {mine!r})"
             )
-        size = dtype.itemsize
-        elements = 0
-        for bucket in self._buckets:
-            plain, ps, qs = self.split(bucket)
-            elements += len(bucket.params) + plain + ps + qs
-        return 2.0 * (world_size - 1) / world_size * elements * size
+        elements = sum(len(bucket.params) + sum(self.split(bucket)) for bucket in self._buckets)
+        return 2.0 * (world_size - 1) / world_size * elements * dtype.itemsize
 
     def split(self, bucket: Bucket) -> Tuple[int, int, int]:
         """``(uncompressed elements, P elements, Q elements)`` of one bucket: a gradient of

@@ -1,22 +1,16 @@
 """Averaging gradients over a process group, bucket by bucket, while backward runs.
 
 One ``GradientReducer`` serves one DataParallelOptimizer, in windows that each end at
-``step()``: backward passes accumulate gradients in ``.grad``; the last one (the
-``backward_passes_per_step``-th outside ``no_sync``) reduces. In it each parameter's
-post-accumulate-grad hook copies the gradient into its bucket (``.grad`` becomes a view of
-it); a full bucket goes to the communication thread, which issues every collective in
-bucket order, so every rank issues the same collectives in the same order (gloo requires
-it). A finishing thread waits for each reduction, leaves the average in the bucket and calls
-``on_reduced``, which may step the bucket while backward goes on. Sharded, the
-communication thread also issues each bucket's gather once it is stepped, right after the
-next bucket's reduction (a fixed interleaving), and the finishing thread stores it.
-
-At the end of the reducing pass (the autograd engine's final callback) the parameters the
-pass did not reach are flushed and every bucket is waited for, so ``.grad`` holds the
-averages when ``backward()`` returns, as under DDP; ``complete()`` (from ``step()``) does
-the same for a window that never reached its reducing pass. A pass that raises drops its
-final callback uncalled, which ends the pass too. A nested (reentrant) backward that opens a
-pass is refused: its end is not the outer pass's.
+``step()``: the ``backward_passes_per_step``-th backward pass outside ``no_sync`` reduces,
+the others accumulate in ``.grad``. The communication thread issues every collective in
+bucket order (gloo requires the same order on every rank); sharded, also each bucket's
+gather once it is stepped, right after the next bucket's reduction. The finishing thread
+waits for each and calls ``on_reduced`` (or ``store``). At the end of the reducing pass
+(the autograd engine's final callback) what the pass did not reach is flushed and every
+bucket awaited, so ``.grad`` holds the averages when ``backward()`` returns, as under DDP;
+``complete()`` (from ``step()``) does the same for a window whose reducing pass never came.
+A pass that raises drops its final callback uncalled, which ends it too. A nested
+(reentrant) backward that opens a pass is refused: its end is not the outer pass's.
 """
 import logging
 import queue
@@ -59,6 +53,7 @@ class GradientReducer:
     Attributes:
         no_sync: backward passes while it is True accumulate and do not count.
         reducing: this window's reduction has begun.
+        broken: a backward pass of this window raised after its reduction had begun.
     """
 
     def __init__(
@@ -89,7 +84,7 @@ class GradientReducer:
         self.reducing = False
         self._pass = 0
         self._pass_open = False
-        self._broken = False
+        self.broken = False
         self._first: Optional[Tuple[Bucket, int]] = None
         self._guard: Optional[Tuple[Bucket, int, Tensor]] = None
         self.poisoned: Optional[int] = None
@@ -104,15 +99,11 @@ class GradientReducer:
         # (is a gather, bucket, what finishing it needs), in issue order
         self._issued: "queue.SimpleQueue[Optional[Tuple[bool, Bucket, Any]]]" = queue.SimpleQueue()
         self._threads: List[threading.Thread] = []
-        self._handles = []
         self._recording = record_arrival
         self._arrivals: List[int] = []
         ref = weakref.ref(self)
-        for bucket in buckets:
-            for slot, p in enumerate(bucket.params):
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(_hook(ref, bucket, slot))
-                )
+        self._handles = [p.register_post_accumulate_grad_hook(_hook(ref, bucket, slot))
+                         for bucket in buckets for slot, p in enumerate(bucket.params)]
         weakref.finalize(self, _stop, self._ready, self._issued, list(self._handles))
 
     # ------------------------------------------------------------ backward thread
@@ -158,7 +149,7 @@ class GradientReducer:
                 "(expected torch.utils.checkpoint(..., use_reentrant=False))"
             )
         if self.reducing:
-            if self._broken:
+            if self.broken:
                 raise RuntimeError(
                     "Invalid backward pass: the previous backward pass raised after the "
                     "reduction of this step's gradients had begun on this rank (expected "
@@ -171,7 +162,7 @@ class GradientReducer:
                 "passes, or the extra passes inside no_sync())"
             )
         syncs = not self.no_sync
-        reduces = syncs and self._passes + 1 >= self.passes_per_step
+        reduces = self.next_pass_reduces()
         if reduces:
             self.before_reduction()  # may raise: then this pass reduces nothing
             self.reducing = True
@@ -210,9 +201,8 @@ class GradientReducer:
 
     def _pass_died(self) -> None:
         """The open pass raised before its end: it counts for nothing. A reducing pass that
-        launched no bucket gives the window back; one that did leaves it open (``complete``
-        finishes the rest), after its launched buckets are done, so that the next pass
-        cannot add to a bucket while it is being reduced."""
+        launched buckets leaves the window to ``complete``, once they are reduced (the next
+        pass must not add to a bucket in flight)."""
         self._pass_open = False
         self._recording = False
         if not self._pass_reduces:
@@ -222,13 +212,10 @@ class GradientReducer:
             for bucket in self.buckets:
                 bucket.rearm()  # the next pass has a new number: ``hooked`` needs no reset
             return
-        self._broken = True
-        issued = 0  # the communication thread issues in bucket order: a launched prefix
-        while issued < len(self.buckets) and self.buckets[issued].launched:
-            issued += 1
-        with self._cond:
-            while self._reduced < issued and self._error is None:
-                self._cond.wait()
+        self.broken = True
+        # The communication thread issues in bucket order: a launched prefix.
+        self.wait_reduced(next((k for k, b in enumerate(self.buckets) if not b.launched),
+                               len(self.buckets)))
 
     def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """Put the parameter's accumulated gradient (or zeros) into its bucket slot."""
@@ -266,22 +253,15 @@ class GradientReducer:
         bucket.fill_flags()
         bucket.launched = True
         if not self._threads:
-            self._start_threads()
+            ref = weakref.ref(self)
+            self._threads = [
+                start_thread(target, (ref, jobs), f"distopt-dp-{name}-rank{self.rank}")
+                for target, jobs, name in ((_communicate, self._ready, "comm"),
+                                           (_finish, self._issued, "finish"))
+            ]
         self._ready.put(bucket.index)
 
-    def _start_threads(self) -> None:
-        ref = weakref.ref(self)
-        for target, name in ((_communicate, "comm"), (_finish, "finish")):
-            self._threads.append(start_thread(
-                target, (ref, self._ready if name == "comm" else self._issued),
-                f"distopt-dp-{name}-rank{self.rank}"))
-
     # ------------------------------------------------------------ step()
-
-    @property
-    def broken(self) -> bool:
-        """A backward pass of this window raised after its reduction had begun."""
-        return self._broken
 
     def next_pass_reduces(self) -> bool:
         """Whether a backward pass that starts now would reduce (not in ``no_sync``, and
@@ -343,8 +323,7 @@ class GradientReducer:
 
     def _wait(self) -> None:
         with self._cond:
-            while self._done < len(self.buckets) and self._error is None:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._done >= len(self.buckets) or self._error is not None)
         self._raise_error()
 
     def reset(self) -> None:
@@ -353,7 +332,7 @@ class GradientReducer:
         self._reduced = 0
         self._passes = 0
         self.reducing = False
-        self._broken = False
+        self.broken = False
         self._guard = None
         self.poisoned = None
         for bucket in self.buckets:
@@ -394,8 +373,7 @@ class GradientReducer:
     def wait_reduced(self, count: int) -> bool:
         """Wait until ``count`` buckets of this window are reduced; False on an error."""
         with self._cond:
-            while self._reduced < count and self._error is None:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._reduced >= count or self._error is not None)
             return self._error is None
 
     def close(self, timeout_s: Optional[float] = None) -> bool:
@@ -407,10 +385,8 @@ class GradientReducer:
             flight on ``group``, and the reducer lets go of it (``distopt.parallel.teardown``
             needs its last reference dropped to stop its worker threads).
         """
-        for handle in self._handles:
-            handle.remove()
+        _stop(self._ready, self._issued, self._handles)
         self._handles = []
-        _stop(self._ready, self._issued, [])
         self._threads = joined(self._threads, timeout_s)
         idle = not self._threads and self._error is None
         if idle:

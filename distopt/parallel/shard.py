@@ -21,12 +21,8 @@ part ``r``, and copied back into the parameters.
 Stepping a piece equals stepping its whole parameter, bit for bit, for every elementwise
 class (the same elements meet the same operands in the same lanes), so sharded training
 equals unsharded training exactly.
-
-Every sharded part of the optimizer is here: ``attach`` (the pieces), ``step_own`` (an eager
-class on this rank's parameters), ``gather`` / ``store`` / ``gather_all`` (the updated
-pieces back into every rank's parameters), ``piece_index``, ``gathered_state``,
-``own_pieces_of``, ``cut_state``, ``merge_pieces`` (state between whole and pieces).
 """
+import itertools
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 import torch
@@ -80,13 +76,9 @@ class Shard:
         self.buffer = bucket.buffer.new_zeros(len(pieces) * self.width)
         self._places: List[List[Tensor]] = []
         for r, part in enumerate(pieces):
-            offset = r * self.width
-            places = []
-            for piece in part:
-                n = piece.stop - piece.start
-                places.append(self.buffer[offset:offset + n])
-                offset += n
-            self._places.append(places)
+            sizes = [piece.stop - piece.start for piece in part]
+            starts = itertools.accumulate(sizes, initial=r * self.width)
+            self._places.append([self.buffer[o:o + n] for o, n in zip(starts, sizes)])
         self.own = pieces[rank]
         self.views = []
         self.grads = []
@@ -99,16 +91,13 @@ class Shard:
             else:
                 self.views.append(place)
                 self.grads.append(grad.view(-1)[piece.start:piece.stop])
-        self._part = self.buffer[rank * self.width:(rank + 1) * self.width]
+        #: This rank's part of ``buffer``, which the gather sends.
+        self.part = self.buffer[rank * self.width:(rank + 1) * self.width]
 
     def load(self) -> None:
         """Copy this rank's pieces of the parameters into ``buffer`` (the parameters may
         have been changed since the last gather, e.g. by ``load_state_dict``)."""
         self._copy(zip(self.own, self._places[self.rank]), into_buffer=True)
-
-    def gather(self, group: Any) -> Any:
-        """Start the all_gather of every rank's part (returns the work)."""
-        return all_gather_flat(self.buffer, self._part, group=group, async_op=True)
 
     def store(self) -> None:
         """Copy every rank's pieces from ``buffer`` into the parameters."""
@@ -179,18 +168,8 @@ def state_size(class_name: str, p: Tensor) -> int:
 def split(
     buckets: Sequence[Bucket], world_size: int, mode: str, weights: Sequence[Sequence[int]]
 ) -> List[List[List[Piece]]]:
-    """Every bucket's pieces per rank.
-
-    Args:
-        buckets: the buckets, in reduction order.
-        world_size: the number of ranks.
-        mode: ``"param"`` or ``"flat"``.
-        weights: per bucket, per parameter, the state bytes it costs (``state_size`` times
-            the element size), for balancing ``"param"``.
-
-    Returns:
-        ``out[b][r]``: rank ``r``'s pieces of bucket ``b``.
-    """
+    """``out[b][r]``: rank ``r``'s pieces of bucket ``b``; ``weights[b][k]``: the state
+    bytes parameter ``k`` of bucket ``b`` costs, for balancing ``"param"``."""
     if mode == "param":
         load = [0] * world_size
         out = []
@@ -298,7 +277,8 @@ def merge_pieces(
 def gather(bucket: Bucket, group: Any) -> Any:
     """Start the gather of ``bucket``'s updated pieces on ``group``."""
     with profiler_range("distopt.dp.gather", bucket.index):
-        return bucket.shard.gather(group)
+        return all_gather_flat(bucket.shard.buffer, bucket.shard.part, group=group,
+                               async_op=True)
 
 
 def store(bucket: Bucket, work: Any) -> None:

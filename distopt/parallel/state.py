@@ -63,8 +63,7 @@ class CompiledState:
         return bool(changes)
 
     def _load_units(self, groups: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]) -> None:
-        """Load ``state`` (global index keys) into the compiled steps, with each unit's
-        group's hyper-parameters from ``groups``."""
+        """Load ``state`` (global index keys) and ``groups``' hyper-parameters."""
         unit_group = {u: j for j, us in enumerate(self._units_of_group) for u in us}
         hyper = [{k: v for k, v in groups[unit_group[u]].items() if k != "params"}
                  for u in range(len(self._local.group_params))]
@@ -80,8 +79,7 @@ class CompiledState:
 
     def _checked_residuals(self, state_dict: Dict[str, Any], position: Dict[Any, int],
                            params: Dict[int, Tensor]) -> Dict[int, Tensor]:
-        """``state_dict["residuals"]`` by global index, each shaped like its one of
-        ``params`` (global index -> parameter)."""
+        """``state_dict["residuals"]`` by global index, checked against ``params``."""
         out = {}
         for saved, value in state_dict.get("residuals", {}).items():
             i = position.get(saved)
@@ -141,9 +139,8 @@ class DataParallelState(CompiledState):
 
     def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` against this optimizer; return what loads it (no check left
-        to fail but the eager optimizer's own). A compression state saved with other buckets
-        (``PowerSGD``'s ``layout``: the saving optimizer had rebuilt them) is loaded after
-        this optimizer's buckets are cut as it says."""
+        to fail but the eager optimizer's own), cutting the buckets first as a compression
+        state saved with other buckets says (``PowerSGD``'s ``layout``)."""
         check_groups(self.param_groups, self._built)
         eager, sharded = self._eager is not None, self.shard is not None
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
@@ -202,13 +199,7 @@ class DataParallelState(CompiledState):
 
     def _saved_buckets(self, compression: Any) -> Optional[Tuple[List[Bucket], Compression]]:
         """The buckets (and the scheme bound to them) a compression state was saved with,
-        where they differ from this optimizer's; None where they do not (or it names none).
-
-        Raises:
-            ValueError: the layout does not fit this optimizer's parameters, or this
-                optimizer is sharded and has state already (cutting its state again needs
-                every rank: a rebuild happens at the end of a step, or before the first).
-        """
+        where they differ from this optimizer's; else None."""
         layout = compression.get("layout") if isinstance(compression, dict) else None
         if layout is None or self._reducer is None or layout == self.bucket_layout():
             return None

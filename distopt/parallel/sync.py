@@ -56,33 +56,23 @@ def partition(params: Sequence[Tensor], k: int) -> List[List[int]]:
     return parts
 
 
-def average_(tensors: List[Tensor], group: Any, world_size: int) -> int:
-    """Replace each tensor by its mean over the group's ranks, one all_reduce per dtype.
-
-    Returns:
-        The number of elements averaged.
-    """
+def average_(tensors: List[Tensor], group: Any, world_size: int) -> None:
+    """Replace each tensor by its mean over the group's ranks, one all_reduce per dtype."""
     with torch.no_grad():
-        return through_flat(tensors, lambda flat: dist.all_reduce(flat.div_(world_size),
-                                                                  group=group))
+        through_flat(tensors, lambda flat: dist.all_reduce(flat.div_(world_size), group=group))
 
 
-def through_flat(tensors: Sequence[Tensor], collective: Callable[[Tensor], Any]) -> int:
+def through_flat(tensors: Sequence[Tensor], collective: Callable[[Tensor], Any]) -> None:
     """Run ``collective`` on one flat copy of ``tensors`` per (dtype, device) and copy what
-    it leaves back into them; returns the number of elements."""
+    it leaves back into them."""
     by_kind: Dict[Any, List[Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    count = 0
     for members in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in members])
         collective(flat)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-        count += flat.numel()
-    return count
+        for t, part in zip(members, flat.split([t.numel() for t in members])):
+            t.copy_(part.view_as(t))
 
 
 def global_rank(group: Any, rank: int) -> int:

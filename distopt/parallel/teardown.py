@@ -13,16 +13,10 @@ exception"). distopt's threads (releasing the last work or bucket), gloo's worke
 ``step()`` has returned. Measured with ``tests/parallel/exit_stress.py``: 28 aborts in 200
 runs before, 0 in 200 since. So the first optimizer built registers one ``atexit`` handler,
 which runs on the main thread before finalization (after handlers registered later, such as
-a user's that saves a checkpoint) and, while every thread can still take the GIL:
-
-1. collects garbage, so that optimizers nobody references go now (their finalizers stop
-   their threads and retire their private groups);
-2. closes every optimizer still open, in the order they were built;
-3. joins every distopt thread still running;
-4. drops every retired group, which joins its gloo worker threads.
-
-Each wait is bounded by ``EXIT_TIMEOUT_S``: a collective stuck on a lost peer leaves its
-optimizer, thread or group as it is.
+a user's that saves a checkpoint) and, while every thread can still take the GIL, lets
+dropped optimizers go, closes the open ones, joins distopt's threads and drops the retired
+groups (joining their gloo workers). Each wait is bounded by ``EXIT_TIMEOUT_S``: a
+collective stuck on a lost peer leaves its optimizer, thread or group as it is.
 """
 import atexit
 import contextlib
@@ -39,7 +33,7 @@ from distopt import _torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXIT_TIMEOUT_S", "check_group_unshared", "claim", "close_at_exit", "start_thread",
-           "joined", "on_drop", "release_private", "retire", "take_over", "unclaim"]
+           "joined", "on_drop", "release_private", "retire", "take_over"]
 
 #: The longest the exit waits for one optimizer's threads, then for every retired group's
 #: workers to let go (a collective whose peer is gone waits for the group's timeout).
@@ -116,9 +110,8 @@ def _at_exit() -> None:
 
 
 # id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
-# DataParallelOptimizer averages and steps; and the open optimizers.
+# DataParallelOptimizer averages and steps (a closed one's entries are stale).
 _CLAIMS: Dict[int, Any] = {}
-_OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _claimant(p: Any) -> Any:
@@ -153,7 +146,10 @@ def take_over(params: List[Any]) -> None:
 
 def check_group_unshared(group: Any) -> None:
     """Two communication threads on one group would issue in a different order per rank."""
-    if group is not None and any(opt._comm_group is group for opt in list(_OPEN)):
+    claimants = (wo() for _, wo in list(_CLAIMS.values()))
+    if group is not None and any(
+        opt is not None and not opt._closed and opt._comm_group is group for opt in claimants
+    ):
         raise ValueError(
             f"Invalid process_group: {group!r} already carries the reductions of another "
             f"open DataParallelOptimizer, whose collectives would interleave with this "
@@ -163,17 +159,11 @@ def check_group_unshared(group: Any) -> None:
 
 
 def claim(params: List[Any], opt: Any) -> None:
-    """``opt`` is open and averages ``params`` (until ``unclaim``)."""
-    _OPEN.add(opt)
+    """``opt`` is open and averages ``params`` (until it is closed)."""
     for p in params:
         _CLAIMS[id(p)] = (weakref.ref(p), weakref.ref(opt))
     for key in [k for k, (wp, wo) in _CLAIMS.items() if wp() is None or wo() is None]:
         del _CLAIMS[key]
-
-
-def unclaim(opt: Any) -> None:
-    """``opt`` is closed."""
-    _OPEN.discard(opt)
 
 
 def retire(group: Any) -> None:
