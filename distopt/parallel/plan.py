@@ -136,8 +136,10 @@ class StepPlan(DataParallelState):
         state: Dict[int, Dict[str, Any]] = {}
         if self._fresh:
             pass  # no state on any rank: nothing to gather
-        elif self._local is not None:
-            state = self._local.torch_state(copy=False)
+        elif self._eager is None:
+            # Compiled. A sharded rank may hold no pieces (no compiled steps), yet it joins
+            # the gather, and may hold pieces after the rebuild.
+            state = self._local.torch_state(copy=False) if self._local is not None else {}
             if self.shard is not None:
                 state = _shard.gathered_state(self, state)
         elif self._eager is not None and self.shard is not None:

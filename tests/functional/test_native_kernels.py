@@ -173,12 +173,12 @@ def test_kernel_matches_torch_optim(row, dtype: torch.dtype) -> None:
                          ids=lambda r: _row_id(r))
 def test_square_roots_are_torchs_across_blocks_and_threads(row, dtype: torch.dtype) -> None:
     """The kernels that take a square root take torch.sqrt's (MKL's where torch has MKL: about
-    1 in 6 float32 roots differ from the correctly rounded one) on blocks of 512 elements per
+    1 in 6 float32 roots differ from the correctly rounded one) on blocks of 32 KiB (8,192 float32, 4,096 float64) per
     thread range: sizes below, at and above a block, and one split over threads. Bit for bit
     with torch.optim."""
     cls, kwargs = row
     torch.manual_seed(0)
-    shapes = [(511,), (512,), (513,), (3, 70001)]
+    shapes = [(4095,), (4096,), (8192,), (8193,), (3, 70001)]
     init = [torch.rand(s, dtype=dtype) for s in shapes]
     ref = [p.clone().requires_grad_() for p in init]
     ref_opt = _reference(cls, kwargs, ref)

@@ -422,3 +422,41 @@ def everything(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     out["state_dict_hooks"] = hooks_seen(opt)
     opt.close()
     return out
+
+
+class _ThreeReversed(torch.nn.Module):
+    """Three weights used in the reverse of their registration order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x.sum(dim=1, keepdim=True)
+
+
+def sharded_rank_without_pieces(rank: int, world_size: int) -> Dict[str, Any]:
+    """``shard="param"`` on more ranks than parameters: a rank holds no pieces (no compiled
+    steps) yet takes part in the rebuild's gather of the state; the same run with the
+    construction's buckets beside it."""
+    batches = _batches(rank, 3)
+    out: Dict[str, Any] = {}
+    for rebuild in (True, False):
+        torch.manual_seed(0)
+        model = _ThreeReversed()
+        opt = dp_optimizer.DataParallelOptimizer(
+            torch.optim.Adam, model.parameters(), lr=0.01, shard="param",
+            bucket_cap_mb=CAP_MB, rebuild_buckets=rebuild)
+        built = opt.bucket_layout()
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        out[rebuild] = {"built": built, "layout": opt.bucket_layout(),
+                        "holds_pieces": opt._local is not None,
+                        "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
+        opt.close()
+    return out
