@@ -12,7 +12,9 @@ Adafactor's update): one pass over a parameter, its gradient and its state inste
 foreach op. They are built for the CPU capability of the torch kernels they reproduce
 (``kernel_capability``: AVX2 on x86 with AVX2 or AVX512, else the portable build), under a
 name of their own, so a build directory shared by machines of different CPUs never loads the
-wrong one.
+wrong one. Each name also carries a hash of this checkout's path (``build_name``): two
+checkouts on one machine (a clone beside a worktree, a benchmark of an older commit) each keep
+their own build instead of rebuilding over each other's at every import.
 
 Each library is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about
 10 s and 40 s, once: later imports, other processes included, load the cached build; a
@@ -21,6 +23,7 @@ be built, or with ``DISTOPT_NATIVE=0`` in the environment, its flag (``AVAILABLE
 ``KERNELS``) is False and the callers use their TorchScript and foreach code instead: the same
 results, slower.
 """
+import hashlib
 import logging
 import os
 from typing import List, Optional
@@ -40,6 +43,12 @@ _CAPABILITY_FLAGS = {
 }
 
 
+def build_name(name: str, root: str = _CSRC) -> str:
+    """``name`` and a short hash of the checkout whose ``csrc/`` (``root``) it is built from."""
+    digest = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:8]
+    return f"{name}_{digest}"
+
+
 def _enabled(what: str) -> bool:
     if os.environ.get("DISTOPT_NATIVE", "1") == "0":
         log.info("native %s off (DISTOPT_NATIVE=0)", what)
@@ -57,7 +66,7 @@ def _build(name: str, source: str, flags: List[str], probe: str, ldflags: Option
         from torch.utils.cpp_extension import load
 
         log.info("loading %s (compiled on first use)", name)
-        load(name=name, sources=[source], extra_cflags=flags, extra_ldflags=ldflags or [],
+        load(name=build_name(name), sources=[source], extra_cflags=flags, extra_ldflags=ldflags or [],
              is_python_module=False, verbose=False)
         getattr(getattr(torch.ops, namespace), op)  # raises if the library did not register
     except Exception as error:  # any build or load failure: fall back, say why

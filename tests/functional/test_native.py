@@ -300,3 +300,14 @@ def test_views_of_the_flat_gradient_buffer_as_gradients(compiled: bool):
         opt.step(grads)
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_each_checkout_builds_under_its_own_name(tmp_path) -> None:
+    """Two checkouts on one machine get different build names (each keeps its build instead
+    of rebuilding over the other's); one checkout always the same."""
+    from functional import _native
+
+    here = _native.build_name("distopt_kernels_avx2")
+    assert here.startswith("distopt_kernels_avx2_") and here == _native.build_name("distopt_kernels_avx2")
+    other = _native.build_name("distopt_kernels_avx2", str(tmp_path / "functional" / "csrc"))
+    assert other != here
