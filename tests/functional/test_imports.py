@@ -2,8 +2,8 @@
 
 Besides torch and typing it may use a few standard-library modules that every Python has
 (math in TorchScript-compiled code, threading for the compile lock, copy and inspect for the
-state_dict conversion, functools and numbers for the constructors' argument checks, logging
-and os for building the native ops); anything else, and any of torch.distributed, fails this
+state_dict conversion, functools and numbers for the constructors' argument checks, logging,
+os and hashlib for building the native ops); anything else, and any of torch.distributed, fails this
 test.
 """
 import ast
@@ -13,7 +13,7 @@ import functional
 
 ALLOWED_ROOTS = {
     "torch", "typing", "functional", "math", "threading", "copy", "inspect", "functools", "numbers",
-    "logging", "os",
+    "logging", "os", "hashlib",
 }
 
 
