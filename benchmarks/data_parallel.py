@@ -83,7 +83,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # The folder of this file holds functional.py, which would hide the ``functional`` package;
 # take this folder off the path and put the repository root on it instead.
@@ -228,17 +228,22 @@ def rank_batch(rank: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, WIDTH, generator=gen))
 
 
-def measure_arrival(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
+def _measure_each(rank: int, world_size: int, options: argparse.Namespace,
+                  configs: Dict[str, Any], phase: Callable[..., Any], *extra: Any) -> Dict[str, Any]:
+    """``phase(kind, kwargs, layers, world_size, batch, warmup, *extra)`` for every config."""
     layers = layer_count(options.params_millions)
     batch = rank_batch(rank, options.batch)
     out: Dict[str, Any] = {"layers": layers}
-    for name, (kind, kwargs) in ARRIVAL_CONFIGS.items():
+    for name, (kind, kwargs) in configs.items():
         if rank == 0:
             logger.info("%s", name)
-        out[name] = arrival_phase(kind, kwargs, layers, world_size, batch, options.warmup,
-                                  options.steps)
+        out[name] = phase(kind, kwargs, layers, world_size, batch, options.warmup, *extra)
         gc.collect()
     return out
+
+
+def measure_arrival(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
+    return _measure_each(rank, world_size, options, ARRIVAL_CONFIGS, arrival_phase, options.steps)
 
 
 def arrival_report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str]:
@@ -327,15 +332,7 @@ def timeline_phase(kind: str, options: Dict[str, Any], layers: int, world_size: 
 
 
 def measure_timeline(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
-    layers = layer_count(options.params_millions)
-    batch = rank_batch(rank, options.batch)
-    out: Dict[str, Any] = {"layers": layers}
-    for name, (kind, kwargs) in TIMELINE_CONFIGS.items():
-        if rank == 0:
-            logger.info("%s", name)
-        out[name] = timeline_phase(kind, kwargs, layers, world_size, batch, options.warmup)
-        gc.collect()
-    return out
+    return _measure_each(rank, world_size, options, TIMELINE_CONFIGS, timeline_phase)
 
 
 def _lanes(events: List[Tuple[str, int, float, float]]) -> List[Tuple[str, List[Any]]]:

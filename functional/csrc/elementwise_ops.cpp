@@ -322,20 +322,9 @@ void vmdSqrt_64(int64_t n, const double* a, double* r, int64_t mode) __attribute
 // The mode torch's at::vml passes: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 constexpr int64_t kVmlMode = 0x2 | 0x140000 | 0x100;
 
-inline bool mkl_sqrt(float* x, int64_t n) {
-  if (vmsSqrt_64 == nullptr) {
-    return false;
-  }
-  vmsSqrt_64(n, x, x, kVmlMode);
-  return true;
-}
-inline bool mkl_sqrt(double* x, int64_t n) {
-  if (vmdSqrt_64 == nullptr) {
-    return false;
-  }
-  vmdSqrt_64(n, x, x, kVmlMode);
-  return true;
-}
+// In place; only where ``sqrt_is_mkl``.
+inline void mkl_sqrt(float* x, int64_t n) { vmsSqrt_64(n, x, x, kVmlMode); }
+inline void mkl_sqrt(double* x, int64_t n) { vmdSqrt_64(n, x, x, kVmlMode); }
 
 // Whether torch.sqrt of this dtype is MKL's here.
 template <typename scalar_t>

@@ -57,7 +57,6 @@ def test_lanes_are_told_apart_by_what_runs_on_each_thread():
 
 
 def test_timeline_is_drawn_one_lane_per_thread_per_rank(tmp_path):
-    pytest.importorskip("matplotlib")
     ranks = []
     for r in range(2):
         result = {"layers": 2}

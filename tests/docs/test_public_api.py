@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sphinx")
-
 ROOT = Path(__file__).resolve().parents[2]
 EXT = ROOT / "docs" / "_ext"
 BUILD_TIMEOUT_S = 120

@@ -41,6 +41,25 @@ def _members(n: int = 3):
     return params, views, [4 * k for k in range(n)]
 
 
+#: The cases ``_spoil`` makes.
+SPOILED = ("None", "sparse", "dtype", "shape", "replaced storage")
+
+
+def _spoil(what: str, grads: List[Optional[torch.Tensor]], params: List[torch.Tensor]) -> None:
+    """Make member 2 a case the fill must refuse: no gradient, a sparse one, another dtype or
+    shape, or a parameter whose storage was replaced (no longer a view of the buffer)."""
+    if what == "None":
+        grads[2] = None
+    elif what == "sparse":
+        grads[2] = torch.ones(2, 2).to_sparse()
+    elif what == "dtype":
+        grads[2] = torch.ones(2, 2, dtype=torch.float64)
+    elif what == "shape":
+        grads[2] = torch.ones(4)
+    else:  # "replaced storage"
+        params[2].data = torch.zeros(2, 2)
+
+
 def _fill(grads, params, views, offsets, out):
     return torch.ops.distopt_flat.fill(grads, list(range(len(params))), params, views, offsets, out)
 
@@ -55,20 +74,11 @@ def test_fill_copies_any_layout_in_buffer_order():
 
 
 @native_only
-@pytest.mark.parametrize("what", ["None", "sparse", "dtype", "shape", "replaced storage"])
+@pytest.mark.parametrize("what", SPOILED)
 def test_fill_refuses_and_writes_nothing(what: str):
     params, views, offsets = _members()
     grads: List[Optional[torch.Tensor]] = [torch.ones(2, 2) for _ in params]
-    if what == "None":
-        grads[2] = None
-    elif what == "sparse":
-        grads[2] = torch.ones(2, 2).to_sparse()
-    elif what == "dtype":
-        grads[2] = torch.ones(2, 2, dtype=torch.float64)
-    elif what == "shape":
-        grads[2] = torch.ones(4)
-    else:
-        params[2].data = torch.zeros(2, 2)
+    _spoil(what, grads, params)
     out = torch.full((12,), -1.0)
     assert not _fill(grads, params, views, offsets, out)
     assert torch.equal(out, torch.full((12,), -1.0)), "a refused fill wrote to the buffer"
@@ -125,16 +135,8 @@ def _grads_for(what: str, f: Any) -> List[Optional[torch.Tensor]]:
     if what == "any layout":
         grads = [torch.arange(4.0).view(2, 2).t(), torch.full((2, 2), 7.0),
                  torch.arange(8.0)[::2].view(2, 2)]
-    elif what == "None":
-        grads[2] = None
-    elif what == "sparse":
-        grads[2] = torch.ones(2, 2).to_sparse()
-    elif what == "dtype":
-        grads[2] = torch.ones(2, 2, dtype=torch.float64)
-    elif what == "shape":
-        grads[2] = torch.ones(4)
-    elif what == "replaced storage":
-        f.params[2].data = torch.zeros(2, 2)
+    elif what in SPOILED:
+        _spoil(what, grads, f.params)
     elif what == "members not consecutive":  # gradients of other parameters in between
         grads = [grads[0], torch.full((9,), 5.0), grads[1], torch.full((9,), 6.0), grads[2]]
     return grads
