@@ -77,7 +77,9 @@ class Step(NamedTuple):
 def steps(outdir: str, dry_run: bool) -> List[Step]:
     """The check's steps, in order (``--dry-run``: on the CPU, small)."""
     py = sys.executable
-    tests = [py, "-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-rs",
+    # In this one process (no xdist workers, installed or not): one GPU, and the progress
+    # line that ``progress_counts`` reads when the step is killed before its junit XML.
+    tests = [py, "-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-rs", "-p", "no:xdist",
              "-p", "no:cacheprovider", f"--junitxml={os.path.join(outdir, 'tests.xml')}"]
     if dry_run:
         functional = ["--device", "cpu", "--repeats", "1", "--only", "SGD"]

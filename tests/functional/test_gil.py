@@ -30,9 +30,11 @@ from functional import functional_optim_map
 
 N_PARAMS, NUMEL = 3000, 32
 SWITCH_INTERVAL_S = 0.0005
+#: Reference and measurement taken in turns this many times; the median round is checked.
+ROUNDS = 5
 
 
-def _median_ms(fn: Callable[[], None], repeats: int = 7) -> float:
+def _median_ms(fn: Callable[[], None], repeats: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -119,14 +121,22 @@ def test_compiled_step_is_not_stalled_by_a_busy_python_thread(torch_cls, short_s
         _StepWithHeldGradients(functional_optim_map[torch_cls](params, **kwargs), list(grads)))
 
     compiled(), compiled()  # warm
-    with _BusyProcess():
-        compiled_contended = _median_ms(compiled)
-    with _Spinner() as spinner:
-        before = spinner.rounds
-        compiled_busy = _median_ms(compiled)
-        spun = spinner.rounds - before
+    # Reference and measurement in turns, ROUNDS times: whatever else loads the machine (the
+    # suite's other workers) weighs on both sides of a round alike.
+    rounds = []
+    for _ in range(ROUNDS):
+        with _BusyProcess():
+            contended = _median_ms(compiled)
+        with _Spinner() as spinner:
+            before = spinner.rounds
+            busy = _median_ms(compiled)
+            spun = spinner.rounds - before
+        rounds.append((busy - (2.0 * contended + 1.0), contended, busy, spun))
+    rounds.sort()
+    excess, contended, busy, spun = rounds[len(rounds) // 2]  # the median round
 
-    report = (f"compiled beside a busy process {compiled_contended:.2f} ms, beside a busy "
-              f"Python thread {compiled_busy:.2f} ms, spinner rounds {spun}")
-    assert spun > 0, report
-    assert compiled_busy <= 2.0 * compiled_contended + 1.0, report
+    report = (f"median of {ROUNDS} rounds: compiled beside a busy process {contended:.2f} ms, "
+              f"beside a busy Python thread {busy:.2f} ms, spinner rounds {spun}; every round "
+              f"(excess over 2 x the reference + 1 ms, reference, busy, spins): {rounds}")
+    assert all(r[3] > 0 for r in rounds), report
+    assert excess <= 0.0, report

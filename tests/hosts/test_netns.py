@@ -50,10 +50,16 @@ def test_hosts_are_private_and_removed_whatever_happens(host_tools):
             addresses = subprocess.run(["ip", "-o", "addr", "show", "dev", h.bridge],
                                        capture_output=True, text=True, check=True).stdout
             assert "inet" not in addresses, addresses
-            sleeper = h.popen(1, ["sleep", "600"])
-            assert len(h.pids(1)) >= 1
+            # Its first line is written from inside the namespace (``ip netns exec`` enters
+            # it before it runs unshare, the process started here): from then on the host has a
+            # process to kill.
+            sleeper = h.popen(1, ["sh", "-c", "echo in; exec sleep 600"],
+                              stdout=subprocess.PIPE, text=True)
+            assert sleeper.stdout.readline() == "in\n"
+            assert sleeper.pid in h.pids(1)
             raise RuntimeError("boom")
     assert sleeper.wait(timeout=30) != 0
+    sleeper.stdout.close()
     assert not set(names) & set(_netns_names())
     assert not set(links) & _links()
 
