@@ -30,10 +30,6 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = workers()
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
-            # Groups in the order of setup.cfg's testpaths, the longest first (xdist would
-            # order them by their number of tests, and start tests/hosts, few tests but
-            # about 100 s, among the last).
-            config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist, never called
