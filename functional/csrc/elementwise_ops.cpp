@@ -1052,27 +1052,117 @@ void asgd(at::TensorList params, at::TensorList grads, at::TensorList steps, at:
 // small row and column state rather than stored. The reductions run in double; torch's run in
 // the parameter's dtype, in its own order (the README gives the difference).
 
-// Sum of x[0..n)^2 in double, in lanes the compiler vectorises.
-template <typename scalar_t>
-double sum_squares(const scalar_t* x, int64_t n) {
-  constexpr int kLanes = 16;
-  double lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const double v = static_cast<double>(x[i + k]);
-      lanes[k] += v * v;
+// Sums of squares in double, lane by lane: ``add(x)`` adds x[k]^2 to lane k of W lanes
+// (W: the lanes of a Vectorized<T>, T float or double), ``total()`` adds the lanes up in order.
+// The squares and sums are vector ops in double, each rounded as a scalar loop rounds it.
+template <typename T>
+class SquareLanes {
+ public:
+  static constexpr int W = Vectorized<T>::size();
+  static constexpr int D = Vectorized<double>::size();
+  static constexpr int N = W / D;  // double vectors per T vector: 1 or 2
+
+  // The squares of x's lanes in double, N vectors of D.
+  static void squares(const Vectorized<T>& x, Vectorized<double>* out) {
+    if constexpr (std::is_same_v<T, double>) {
+      out[0] = x * x;
+    } else {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+      const __m256 v = x;
+      const Vectorized<double> lo(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      const Vectorized<double> hi(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+      out[0] = lo * lo;
+      out[1] = hi * hi;
+#else
+      alignas(64) T buf[W];
+      x.store(buf);
+      for (int n = 0; n < N; ++n) {
+        alignas(64) double wide[D];
+        for (int k = 0; k < D; ++k) {
+          wide[k] = static_cast<double>(buf[n * D + k]);
+        }
+        const Vectorized<double> d = Vectorized<double>::loadu(wide);
+        out[n] = d * d;
+      }
+#endif
     }
   }
-  double total = 0.0;
-  for (int k = 0; k < kLanes; ++k) {
-    total += lanes[k];
+  void add(const Vectorized<T>& x) {
+    Vectorized<double> sq[N];
+    squares(x, sq);
+    add_squares(sq);
   }
-  for (; i < n; ++i) {
-    const double v = static_cast<double>(x[i]);
+  void add_squares(const Vectorized<double>* sq) {
+    for (int n = 0; n < N; ++n) {
+      acc_[n] = acc_[n] + sq[n];
+    }
+  }
+  double total() const {
+    alignas(64) double lanes[N * D];
+    for (int n = 0; n < N; ++n) {
+      acc_[n].store(lanes + n * D);
+    }
+    double sum = 0.0;
+    for (int k = 0; k < N * D; ++k) {
+      sum += lanes[k];
+    }
+    return sum;
+  }
+
+ private:
+  Vectorized<double> acc_[N > 0 ? N : 1] = {};
+};
+
+// The sum of row[0..n)^2 in double, in lanes (SquareLanes; 16 scalar lanes for float16 and
+// bfloat16), and with ``kColumns``, col[j] += row[j]^2 in double too.
+template <typename scalar_t, bool kColumns>
+double squares_of_row(const scalar_t* row, int64_t n, double* col) {
+  double total = 0.0;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+    using L = SquareLanes<scalar_t>;
+    constexpr int D = Vectorized<double>::size();
+    L lanes;
+    for (; j + L::W <= n; j += L::W) {
+      Vectorized<double> sq[L::N];
+      L::squares(Vectorized<scalar_t>::loadu(row + j), sq);
+      lanes.add_squares(sq);
+      if constexpr (kColumns) {
+        for (int k = 0; k < L::N; ++k) {
+          (Vectorized<double>::loadu(col + j + k * D) + sq[k]).store(col + j + k * D);
+        }
+      }
+    }
+    total = lanes.total();
+  } else {
+    constexpr int kLanes = 16;
+    double lanes[kLanes] = {};
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const double v = static_cast<double>(row[j + k]);
+        lanes[k] += v * v;
+        if constexpr (kColumns) {
+          col[j + k] += v * v;
+        }
+      }
+    }
+    for (int k = 0; k < kLanes; ++k) {
+      total += lanes[k];
+    }
+  }
+  for (; j < n; ++j) {
+    const double v = static_cast<double>(row[j]);
     total += v * v;
+    if constexpr (kColumns) {
+      col[j] += v * v;
+    }
   }
   return total;
+}
+
+template <typename scalar_t>
+double sum_squares(const scalar_t* x, int64_t n) {
+  return squares_of_row<scalar_t, false>(x, n, nullptr);
 }
 
 // One partial result per thread of at::parallel_for, added up in thread order.
@@ -1128,7 +1218,7 @@ struct AdafactorRow {
     int64_t j = 0;
     if constexpr (!C::reduced) {
       constexpr int64_t W = Vo::size();
-      double lanes[W] = {};
+      SquareLanes<opmath_t> lanes;
       for (; j + W <= n; j += W) {
         Vo e;
         estimate_at(&e, j);
@@ -1138,16 +1228,10 @@ struct AdafactorRow {
           apply_to(pv, u);
           pv.store(p + j);
         } else {
-          opmath_t buf[W];
-          u.store(buf);
-          for (int64_t k = 0; k < W; ++k) {
-            lanes[k] += static_cast<double>(buf[k]) * static_cast<double>(buf[k]);
-          }
+          lanes.add(u);
         }
       }
-      for (int64_t k = 0; k < W; ++k) {
-        squares += lanes[k];
-      }
+      squares = lanes.total();
     }
     for (; j < n; ++j) {
       opmath_t e;
@@ -1212,13 +1296,7 @@ void adafactor_one(const at::Tensor& p_in, const at::Tensor& g_in, const at::Ten
     at::parallel_for(0, batches * rows, grain, [&](int64_t begin, int64_t end) {
       double* part = col_parts.mine();
       for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gr = g + r * cols;
-        row_sums[r] = sum_squares(gr, cols);
-        double* col = part + (r / rows) * cols;
-        for (int64_t j = 0; j < cols; ++j) {
-          const double v = static_cast<double>(gr[j]);
-          col[j] += v * v;
-        }
+        row_sums[r] = squares_of_row<scalar_t, true>(g + r * cols, cols, part + (r / rows) * cols);
         part[batches * cols] += sum_squares(p + r * cols, cols);
       }
     });
