@@ -2,8 +2,9 @@
 
 Each example has a fixed world: a list of worker names, rank ``i`` taking ``names[i]``.
 
-- One machine (the default): ``run`` spawns one process per name with
-  ``torch.multiprocessing`` and rendezvouses them on a free port of 127.0.0.1.
+- One machine (the default): ``run`` starts one process per name with
+  ``torch.multiprocessing`` (``spawn``: forked from a fork server that has imported torch)
+  and rendezvouses them on a free port of 127.0.0.1.
 - Several machines: when ``RANK`` and ``WORLD_SIZE`` are in the environment (``torchrun``
   sets them, or set them yourself with ``MASTER_ADDR`` and ``MASTER_PORT``), ``run`` starts
   only this process's role and rendezvouses through ``env://``.
@@ -28,6 +29,26 @@ logger = logging.getLogger(__name__)
 
 #: A role: ``role(name, options)`` runs between ``init_rpc`` and ``rpc.shutdown``.
 Role = Callable[[str, Any], None]
+
+
+#: What each process of a one-machine run starts with already imported (see ``spawn``).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.rpc", "torch.distributed.autograd",
+           "distopt"]
+
+
+def spawn(fn: Callable[..., None], args: Tuple[Any, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, the processes forked from a fork
+    server that has imported ``PRELOAD`` once, instead of each importing torch again (about
+    a second of a core each); ``spawn`` where the OS has no fork server. Like ``spawn``, the
+    server is a fresh interpreter (no threads or CUDA state of this process), and each
+    process imports this script's ``__main__`` again, so it must be guarded."""
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    else:
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
 
 
 def free_port() -> int:
@@ -89,12 +110,7 @@ def run(names: Sequence[str], role: Role, options: Any, rpc_timeout: float = 120
     pin_interface(getattr(options, "interface", None), local=from_env is None)
     if from_env is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        mp.spawn(
-            _run_rank,
-            args=(list(names), role, options, init_method, rpc_timeout),
-            nprocs=len(names),
-            join=True,
-        )
+        spawn(_run_rank, (list(names), role, options, init_method, rpc_timeout), len(names))
         return
     rank, size = from_env
     check_restartable(os.environ)
@@ -153,7 +169,7 @@ def _run_rank(
         role(names[rank], options)
     except BaseException:
         # A peer may be gone (the usual reason a role fails): a graceful shutdown would wait
-        # for it for minutes. Leave at once; torchrun or mp.spawn stops the others.
+        # for it for minutes. Leave at once; torchrun or ``spawn`` stops the others.
         rpc.shutdown(graceful=False)
         raise
     rpc.shutdown()

@@ -54,7 +54,6 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -321,8 +320,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     _launch.pin_interface(options.interface, local=from_env is None)
     if from_env is None:
         init_method = f"tcp://127.0.0.1:{_launch.free_port()}"
-        mp.spawn(run_rank, args=(options.nproc, init_method, options), nprocs=options.nproc,
-                 join=True)
+        _launch.spawn(run_rank, (options.nproc, init_method, options), options.nproc)
     else:
         rank, world_size = from_env
         run_rank(rank, world_size, "env://", options)
