@@ -16,8 +16,10 @@ interface ``lo`` unless told otherwise.
 """
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -40,15 +42,41 @@ def spawn(fn: Callable[..., None], args: Tuple[Any, ...], nprocs: int) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, the processes forked from a fork
     server that has imported ``PRELOAD`` once, instead of each importing torch again (about
     a second of a core each); ``spawn`` where the OS has no fork server. Like ``spawn``, the
-    server is a fresh interpreter (no threads or CUDA state of this process), and each
-    process imports this script's ``__main__`` again, so it must be guarded."""
+    server is a fresh interpreter (no threads or CUDA state of this process), each process
+    imports this script's ``__main__`` again, so it must be guarded, and each gets SIGINT
+    when this process dies (``_stop_with``), however it dies."""
     import multiprocessing
 
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-    else:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+        return
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    # Only this process holds ``alive``'s other end: the processes read EOF once it is gone.
+    alive, mine = context.Pipe(duplex=False)
+    try:
+        mp.start_processes(_stop_with, args=(alive, fn, args), nprocs=nprocs, join=True,
+                           start_method="forkserver")
+    finally:
+        mine.close()
+        alive.close()
+
+
+def _stop_with(index: int, alive: Any, fn: Callable[..., None], args: Tuple[Any, ...]) -> None:
+    """``fn(index, *args)`` in a process of ``spawn``, stopped when its starter dies.
+    torch.multiprocessing asks the OS for SIGINT when a process's parent dies; a process
+    forked from a fork server has the server as its parent, which outlives the starter
+    (every forked process keeps it alive), so a thread waits on ``alive`` instead."""
+
+    def wait() -> None:
+        try:
+            alive.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=wait, name="stop-with-parent", daemon=True).start()
+    fn(index, *args)
 
 
 def free_port() -> int:
