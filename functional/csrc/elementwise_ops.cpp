@@ -47,6 +47,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -1281,6 +1282,14 @@ void adafactor_one(const at::Tensor& p_in, const at::Tensor& g_in, const at::Ten
                              opmath_t(0), weight_decay != 0.0};
   // The norm of a reduction as torch returns it: in the dtype, read as a Python float.
   auto as_dtype = [](double x) { return static_cast<double>(static_cast<scalar_t>(x)); };
+  // A norm as torch returns it, from the sum of squares here (in double): torch adds the
+  // squares in opmath_t (float for float32, float16 and bfloat16), which overflows to inf
+  // where the double does not.
+  auto norm_of = [&](double squares) {
+    return squares > static_cast<double>(std::numeric_limits<opmath_t>::max())
+               ? std::numeric_limits<double>::infinity()
+               : as_dtype(std::sqrt(squares));
+  };
   double param_squares = 0.0;
   double update_squares = 0.0;
   if (factored) {
@@ -1304,7 +1313,7 @@ void adafactor_one(const at::Tensor& p_in, const at::Tensor& g_in, const at::Ten
     param_squares = col_sums[batches * cols];
     // The means of g^2 as torch computes them (norm, squared, divided), into the averages.
     auto average = [&](scalar_t* var, double sum, int64_t count) {
-      opmath_t mean = static_cast<opmath_t>(as_dtype(std::sqrt(sum)));
+      opmath_t mean = static_cast<opmath_t>(norm_of(sum));
       mean = C::r(mean * mean);
       mean = C::r(mean / static_cast<opmath_t>(count));
       *var = static_cast<scalar_t>(C::lerp(static_cast<opmath_t>(*var), mean, w.w, w.w_m1, w.small));
@@ -1347,8 +1356,8 @@ void adafactor_one(const at::Tensor& p_in, const at::Tensor& g_in, const at::Ten
       return parts.total()[0];
     };
     update_squares = pass(false);
-    const double u_rms = as_dtype(std::sqrt(update_squares)) / (std::pow(static_cast<double>(numel), 0.5) * d);
-    const double alpha = std::max(eps2, as_dtype(std::sqrt(param_squares)) / std::pow(static_cast<double>(numel), 0.5)) * rho_t;
+    const double u_rms = norm_of(update_squares) / (std::pow(static_cast<double>(numel), 0.5) * d);
+    const double alpha = std::max(eps2, norm_of(param_squares) / std::pow(static_cast<double>(numel), 0.5)) * rho_t;
     row.scale = C::in_dtype(-alpha / std::max(1.0, u_rms));
     pass(true);
   } else {
@@ -1373,8 +1382,8 @@ void adafactor_one(const at::Tensor& p_in, const at::Tensor& g_in, const at::Ten
     const std::vector<double> sums = parts.total();
     param_squares = sums[0];
     update_squares = sums[1];
-    const double u_rms = as_dtype(std::sqrt(update_squares)) / (std::pow(static_cast<double>(numel), 0.5) * d);
-    const double alpha = std::max(eps2, as_dtype(std::sqrt(param_squares)) / std::pow(static_cast<double>(numel), 0.5)) * rho_t;
+    const double u_rms = norm_of(update_squares) / (std::pow(static_cast<double>(numel), 0.5) * d);
+    const double alpha = std::max(eps2, norm_of(param_squares) / std::pow(static_cast<double>(numel), 0.5)) * rho_t;
     row.scale = C::in_dtype(-alpha / std::max(1.0, u_rms));
     // (2) the update.
     at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {

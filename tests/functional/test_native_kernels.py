@@ -244,6 +244,34 @@ PER_CLASS = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(9,), (3, 3)], ids=["variance", "factored"])
+@pytest.mark.parametrize("case", ["parameter", "update"])
+def test_adafactor_norms_overflow_as_torchs(case: str, shape, dtype: torch.dtype) -> None:
+    """Adafactor's kernel adds its squares in double; torch adds them in float, where a sum
+    of squares above 3.4e38 is inf although the norm itself would fit. The kernel's norms
+    overflow where torch's do: the parameter's (its scale becomes inf: torch.optim's -inf
+    parameters), and the update's (its scale becomes 0: the parameter does not move)."""
+    if case == "parameter":  # 9 x (1e20)^2 = 9e40
+        init, grads, kwargs = torch.full(shape, 1e20), [torch.ones(shape)], {"lr": 0.1}
+    else:  # a variance of 0 clamped at eps1^2 = 1e-38: the update's squares are about 1e38
+        init, grads = torch.ones(shape), [torch.zeros(shape), torch.ones(shape)]
+        kwargs = {"lr": 0.1, "eps": (1e-19, 1e-3), "beta2_decay": -1000.0}
+    init = init.to(dtype)
+    ref = init.clone().requires_grad_()
+    ref_opt = torch.optim.Adafactor([ref], foreach=False, **kwargs)
+    params = [init.clone()]
+    opt = _ours(torch.optim.Adafactor, params, **kwargs)
+    assert opt.native
+    for g in grads:
+        ref.grad = g.to(dtype)
+        ref_opt.step()
+        opt.step([g.to(dtype)])
+    expected = {"parameter": float("-inf"), "update": 1.0}[case]
+    assert ref.detach().eq(expected).all(), "torch.optim's own result moved: the case no longer overflows"
+    assert torch.equal(params[0], ref.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("row", PER_CLASS, ids=[_row_id(r) for r in PER_CLASS])
 def test_any_memory_layout(row, dtype: torch.dtype) -> None:
     """Transposed, sliced (gaps between elements), as_strided and channels_last parameters
