@@ -93,6 +93,13 @@ def adafactor_gather(
                             del state[j]
                         raise RuntimeError("Adafactor does not support complex parameters")  # torch.optim's message
                     refuse(state, created, i, g, p, "Adafactor does not support sparse gradients")
+                if p.numel() == 0:  # torch.optim divides by its element count: ZeroDivisionError
+                    for j in created:
+                        del state[j]
+                    raise ValueError(
+                        f"Invalid params[{i}]: shape {list(p.shape)}, no elements (expected a parameter "
+                        f"with elements: Adafactor scales its step by the parameter's RMS)"
+                    )
                 if i not in state:
                     state[i] = adafactor_state(p)
                     created.append(i)

@@ -264,6 +264,27 @@ def test_gradient_list_must_match_parameters(torch_cls: type, compiled: bool) ->
         assert torch.equal(p, b), "a rejected step changed a parameter"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("foreach", [None, False, True], ids=["default", "kernel", "foreach"])
+def test_adafactor_refuses_a_parameter_with_no_elements(foreach, compiled: bool) -> None:
+    """torch.optim.Adafactor divides by a parameter's element count: ZeroDivisionError for
+    an empty one, after its steps have counted. Ours names the parameter before anything
+    changes, on every path (the fused kernel would otherwise step it silently)."""
+    empty = torch.zeros(0, 5, requires_grad=True)
+    empty.grad = torch.zeros(0, 5)
+    with pytest.raises(ZeroDivisionError):
+        torch.optim.Adafactor([empty], foreach=foreach).step()
+    params = [torch.ones(3), torch.zeros(0, 5)]
+    optim = functional_optim_map[torch.optim.Adafactor](params, lr=0.1, foreach=foreach)
+    if compiled:
+        optim = script_optimizer(optim)
+    error = torch.jit.Error if compiled else ValueError
+    with pytest.raises(error, match=r"Invalid params\[1\]: shape \[0, 5\], no elements"):
+        optim.step([torch.ones(3), torch.zeros(0, 5)])
+    assert torch.equal(params[0], torch.ones(3))
+    assert _snapshot(optim, compiled) == {}
+
+
 def _snapshot(optim, compiled: bool):
     state = optim.get_state() if compiled else optim.state
     return {i: {k: v.clone() for k, v in entry.items()} for i, entry in state.items()}
