@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import queue
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -529,3 +530,38 @@ def pids_with_env(**wanted: str) -> List[int]:
         if all(needle in env for needle in needles):
             found.append(int(entry))
     return found
+
+
+def pids_in_session(sid: int) -> List[int]:
+    """The live processes (zombies left out) of session ``sid``: what a process started with
+    ``start_new_session=True`` left behind, forked servers and their children included."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
+
+
+def wait_for_exit(pid: int, timeout_s: float, kill: bool = False) -> bool:
+    """Wait up to ``timeout_s`` for process ``pid``, a child or not, to end (its pidfd turns
+    readable); whether it did. A pid already gone counts as ended. With ``kill``, SIGKILL it
+    first, through the pidfd, so that no process that took over the pid meanwhile is hit."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        if kill:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return bool(select.select([fd], [], [], max(0.0, timeout_s))[0])
+    except ProcessLookupError:  # ended before the signal
+        return True
+    finally:
+        os.close(fd)

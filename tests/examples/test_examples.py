@@ -17,6 +17,7 @@ from torch import nn
 
 from distopt.arguments import check_optimizer_class
 from functional import functional_optim_map, script_optimizer
+from tests import worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 120
@@ -197,40 +198,6 @@ def test_examples_refuse_torchrun_restarts_onto_a_shared_store() -> None:
     launch.check_restartable({})  # not under torchrun
 
 
-def _session(sid: int) -> List[int]:
-    """The live processes of session ``sid`` (zombies left out)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if fields[0] != "Z" and int(fields[3]) == sid:
-                pids.append(int(entry))
-    return pids
-
-
-def _wait_gone(pids: List[int], timeout_s: float) -> List[int]:
-    """Wait up to ``timeout_s`` for each of ``pids`` to end (their pidfds turn readable);
-    those still running then."""
-    deadline = time.monotonic() + timeout_s
-    running = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                running.append(pid)
-        finally:
-            os.close(fd)
-    return running
-
-
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd_open (Linux 5.3+)")
 def test_ranks_stop_when_the_example_is_killed() -> None:
     """A one-machine example's ranks fork from a fork server, which outlives the example's
@@ -250,11 +217,14 @@ def test_ranks_stop_when_the_example_is_killed() -> None:
             assert ready, "no step logged"
             line = proc.stdout.readline()
             assert line, "the example ended before its first step was logged"
-        others = [pid for pid in _session(proc.pid) if pid != proc.pid]
+        others = [pid for pid in worlds.pids_in_session(proc.pid) if pid != proc.pid]
         assert len(others) >= 3, others  # the fork server and 2 ranks, at least
         proc.kill()
         proc.wait()
-        assert _wait_gone(others, 30.0) == [], "processes of the example still run"
+        deadline = time.monotonic() + 30.0
+        running = [pid for pid in others
+                   if not worlds.wait_for_exit(pid, deadline - time.monotonic())]
+        assert running == [], "processes of the example still run"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

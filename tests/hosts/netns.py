@@ -21,12 +21,12 @@ import itertools
 import logging
 import os
 import re
-import select
 import shutil
-import signal
 import subprocess
 import time
 from typing import Dict, List, Optional, Sequence
+
+from tests import worlds
 
 logger = logging.getLogger(__name__)
 
@@ -119,21 +119,10 @@ def _kill_processes(namespace: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {pids} in {namespace} outlived SIGKILL")
         for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue
-            try:
-                os.kill(pid, signal.SIGKILL)
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
-                    raise RuntimeError(
-                        f"process {pid} in {namespace} survived SIGKILL for {COMMAND_TIMEOUT_S} s"
-                    )
-            except ProcessLookupError:
-                pass
-            finally:
-                os.close(fd)
+            if not worlds.wait_for_exit(pid, deadline - time.monotonic(), kill=True):
+                raise RuntimeError(
+                    f"process {pid} in {namespace} survived SIGKILL for {COMMAND_TIMEOUT_S} s"
+                )
 
 
 class Hosts:
