@@ -198,7 +198,6 @@ def test_examples_refuse_torchrun_restarts_onto_a_shared_store() -> None:
     launch.check_restartable({})  # not under torchrun
 
 
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd_open (Linux 5.3+)")
 def test_ranks_stop_when_the_example_is_killed() -> None:
     """A one-machine example's ranks fork from a fork server, which outlives the example's
     process: they must still stop when that process is killed (SIGKILL: no handler runs),
