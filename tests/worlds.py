@@ -514,38 +514,34 @@ class Job:
         return "\n".join(f"--- process {i}:\n{''.join(lines)}" for i, lines in enumerate(self.out))
 
 
+def _each_process(name: str) -> Iterator[Tuple[int, bytes]]:
+    """(pid, the content of /proc/<pid>/<name>) for each process on this machine that is
+    still there when read."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/{name}", "rb") as f:
+                    yield int(entry), f.read()
+            except OSError:  # gone meanwhile
+                continue
+
+
 def pids_with_env(**wanted: str) -> List[int]:
     """Processes on this machine whose environment holds every ``NAME=value`` given
     (how a test finds a worker that torchrun started)."""
     needles = [f"{name}={value}".encode() for name, value in wanted.items()]
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if all(needle in env for needle in needles):
-            found.append(int(entry))
-    return found
+    return [pid for pid, environ in _each_process("environ")
+            if all(needle in environ.split(b"\0") for needle in needles)]
 
 
 def pids_in_session(sid: int) -> List[int]:
     """The live processes (zombies left out) of session ``sid``: what a process started with
     ``start_new_session=True`` left behind, forked servers and their children included."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(entry))
+    for pid, stat in _each_process("stat"):
+        fields = stat.rsplit(b")", 1)[1].split()  # after the command's name, which may hold ") "
+        if fields[0] != b"Z" and int(fields[3]) == sid:
+            found.append(pid)
     return found
 
 

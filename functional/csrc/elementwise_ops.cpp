@@ -1062,6 +1062,7 @@ class SquareLanes {
   static constexpr int W = Vectorized<T>::size();
   static constexpr int D = Vectorized<double>::size();
   static constexpr int N = W / D;  // double vectors per T vector: 1 or 2
+  static_assert(N >= 1, "a T vector holds at least one double vector's lanes");
 
   // The squares of x's lanes in double, N vectors of D.
   static void squares(const Vectorized<T>& x, Vectorized<double>* out) {
@@ -1111,7 +1112,7 @@ class SquareLanes {
   }
 
  private:
-  Vectorized<double> acc_[N > 0 ? N : 1] = {};
+  Vectorized<double> acc_[N] = {};
 };
 
 // The sum of row[0..n)^2 in double, in lanes (SquareLanes; 16 scalar lanes for float16 and
