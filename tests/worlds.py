@@ -50,9 +50,10 @@ import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 #: What every test process starts with already imported (``CONTEXT``): importing them took
-#: about 1.1 s of a core per process, the better part of starting a rank (0.1 s after).
+#: about 1.1 s of a core per process, the better part of starting a rank (0.1 s after);
+#: torch._dynamo, which DataParallelOptimizer(module=...) imports, 1 s more.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.rpc", "torch.distributed.autograd",
-           "distopt", "distopt.parallel"]
+           "distopt", "distopt.parallel", "torch._dynamo"]
 
 
 def _context() -> Any:

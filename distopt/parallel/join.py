@@ -20,7 +20,9 @@ ranks (``Bucket.divisor``). Refused: ``sync=RoundRobin``, and PowerSGD with
 ``divide_by_initial_world_size=False``. When every rank has joined, ``post_hook``
 broadcasts the buffers from the highest last joiner, as DDP's final sync does.
 """
-from typing import Any, NamedTuple, Optional, Tuple
+import itertools
+import weakref
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,8 @@ from distopt.parallel.powersgd import PowerSGD
 from distopt.parallel.sync import global_rank
 from distopt.param_groups import check_groups
 
-__all__ = ["Round", "buffers_round", "join_hook", "reduction_round", "send_step"]
+__all__ = ["Round", "buffers_round", "consolidate_round", "join_hook", "reduction_round",
+           "register", "save_round", "send_step"]
 
 #: What the active ranks are about to do, in a round: broadcast the buffers before a forward,
 #: reduce (and step) one step's gradients, and whether the buckets step during backward.
@@ -42,10 +45,30 @@ _BUFFERS = 1
 _REDUCE = 2
 _IN_BACKWARD = 4
 _STEP = 8
+_SAVE = 16
+_GATHER = 32
 _WHAT = {_BUFFERS: "broadcast the module's buffers",
          _REDUCE: "reduce gradients, to step in step()",
          _REDUCE | _IN_BACKWARD: "reduce gradients and step during backward",
-         _STEP: "step()"}
+         _STEP: "step()",
+         _SAVE: "save()",
+         _GATHER: "consolidate_state_dict()"}
+
+#: Every open DataParallelOptimizer of this process by its tag: the order of construction.
+#: Every rank of a group builds its optimizers collectively, in one order, so a tag names
+#: the same optimizer on every rank; a round says whose iteration it starts, and a joined
+#: rank shadows that optimizer (``Join([opt1, opt2])``: rounds of both, in any order).
+_OPTIMIZERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_TAGS = itertools.count()
+
+
+def register(opt: Any) -> None:
+    """Give a new DataParallelOptimizer its tag (``_OPTIMIZERS``)."""
+    opt._join_tag = next(_TAGS)
+    #: Whether this rank shadowed an iteration of ``opt`` in the Join block now open: then
+    #: it is not the last to join, whatever its Join says (nested Joins, ``post_hook``).
+    opt._join_shadowed = False
+    _OPTIMIZERS[opt._join_tag] = opt
 
 
 class Round(NamedTuple):
@@ -54,6 +77,7 @@ class Round(NamedTuple):
     plan: int  #: what the active ranks do (``_BUFFERS``, ``_REDUCE``, ``_IN_BACKWARD``, ``_STEP``)
     source: int  #: the highest active rank (in the optimizer's group)
     active: int  #: how many ranks have not joined
+    opt: Any  #: the optimizer whose iteration it is
 
 
 def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
@@ -105,6 +129,19 @@ def send_step(opt: Any, scaling: Optional[Any]) -> None:
     _step_packet(opt, scaling, joined=False)
 
 
+def save_round(opt: Any, path: str) -> None:
+    """An active rank's round before ``save(path)``: joined ranks save with it."""
+    _round(opt, _SAVE)
+    _share(opt, path, joined=False)
+
+
+def consolidate_round(opt: Any, to: Optional[int]) -> None:
+    """An active rank's round before ``consolidate_state_dict(to)``: joined ranks gather
+    with it."""
+    _round(opt, _GATHER)
+    _share(opt, to, joined=False)
+
+
 class _JoinHook(JoinHook):
     """What a DataParallelOptimizer does on a rank that has joined."""
 
@@ -112,10 +149,21 @@ class _JoinHook(JoinHook):
         self.opt = opt
 
     def main_hook(self) -> None:
-        """Shadow one iteration of the active ranks."""
-        opt = self.opt
-        step = _round(opt, 0)
-        if step.plan == _BUFFERS:
+        """Shadow one iteration of the active ranks: the first DataParallelOptimizer given
+        to ``Join`` shadows every round, whichever optimizer the active ranks run it for
+        (each round is one of Join's iterations); the others' hooks do nothing."""
+        if not self.opt._join_config.is_first_joinable:
+            return
+        step = _round(self.opt, 0)
+        opt = step.opt
+        opt._join_shadowed = True
+        if step.plan == _SAVE:
+            from distopt.parallel import checkpoint as _checkpoint  # it imports this module
+
+            _checkpoint.save(opt, _share(opt, None, joined=True))
+        elif step.plan == _GATHER:
+            opt._consolidate(_share(opt, None, joined=True))
+        elif step.plan == _BUFFERS:
             _buffers.broadcast(list(opt.module.buffers()), step.source, opt._forward_group)
         elif step.plan == _STEP:
             _shadow_step(opt, _step_packet(opt, None, joined=True))
@@ -126,6 +174,10 @@ class _JoinHook(JoinHook):
         """Every rank has joined: the buffers of the highest last joiner, as DDP's."""
         opt = self.opt
         opt._join_config = opt._join_config._replace(enable=False)  # back to the first rank
+        # An outer Join of nested ones finds every rank joined at once: this rank's last
+        # iteration of ``opt`` tells whether it joined before the others.
+        is_last_joiner = is_last_joiner and not opt._join_shadowed
+        opt._join_shadowed = False
         # Every rank broadcasts at its next forward (a joined rank's last forward is older).
         opt._sync_next_forward = True
         if opt.module is None or not opt.broadcast_buffers or opt.world_size == 1:
@@ -139,32 +191,61 @@ class _JoinHook(JoinHook):
         _buffers.broadcast(buffers, int(source.item()), opt._forward_group)
 
 
+def _notify(opt: Any) -> None:
+    """Tell Join this rank is active: Join's all_reduce, paired on a joined rank with the
+    one that counts the active ranks before each iteration. Every round is an iteration,
+    whichever optimizer runs it, so a second optimizer in one Join notifies as the first
+    one does (``Join.notify_join_context`` does it for the first only)."""
+    config = opt._join_config
+    if config.is_first_joinable:
+        Join.notify_join_context(opt)
+        return
+    opt._join_config = config._replace(is_first_joinable=True)
+    try:
+        Join.notify_join_context(opt)
+    finally:
+        opt._join_config = config
+
+
 def _round(opt: Any, plan: int) -> Round:
-    """The round that starts an iteration: ``plan`` on an active rank, 0 on a joined one."""
-    group = opt._forward_group
+    """The round that starts an iteration: ``plan`` on an active rank, 0 on a joined one.
+    Every rank all-gathers (active, plan, optimizer tag) on ``opt.join_process_group``."""
+    group = opt.join_process_group
     device = opt.join_device
     if plan:
-        Join.notify_join_context(opt)
-    mine = torch.tensor([1 if plan else 0, plan], dtype=torch.int64, device=device)
-    every = torch.empty(2 * opt.world_size, dtype=torch.int64, device=device)
+        _notify(opt)
+    mine = torch.tensor([1 if plan else 0, plan, opt._join_tag if plan else -1],
+                        dtype=torch.int64, device=device)
+    every = torch.empty(3 * opt.world_size, dtype=torch.int64, device=device)
     all_gather_flat(every, mine, group=group)
-    rows = every.view(opt.world_size, 2).tolist()
-    active = [r for r, (on, _) in enumerate(rows) if on]
-    plans = {p for on, p in rows if on}
+    rows = every.view(opt.world_size, 3).tolist()
+    active = [r for r, (on, _, _) in enumerate(rows) if on]
+    plans = {(p, tag) for on, p, tag in rows if on}
     if len(plans) != 1:
         doing = "; ".join(
-            f"ranks {[r for r in active if rows[r][1] == p]} {_WHAT.get(p, p)}"
-            for p in sorted(plans)
+            f"ranks {[r for r in active if tuple(rows[r][1:]) == (p, tag)]} {_WHAT.get(p, p)} "
+            f"(optimizer {tag})" for p, tag in sorted(plans)
         )
         raise RuntimeError(
             f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: under Join, the "
             f"ranks not joined are about to do different things ({doing or 'none is active'})"
-            f" (expected the same training loop on every rank)"
+            f" (expected the same training loop on every rank, and the same "
+            f"DataParallelOptimizers built in the same order)"
         )
-    step = Round(plans.pop(), max(active), len(active))
-    opt._join_source = step.source
-    if step.plan == _REDUCE | _IN_BACKWARD and step.active < opt.world_size:
-        _share(opt, None, joined=not plan)
+    plan_of_all, tag = plans.pop()
+    target = opt if tag == opt._join_tag else _OPTIMIZERS.get(tag)
+    if target is None or target.world_size != opt.world_size:
+        raise RuntimeError(
+            f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: under Join, the "
+            f"active ranks run an iteration of their DataParallelOptimizer number {tag} (in "
+            f"order of construction), which this rank does not hold open (expected the same "
+            f"DataParallelOptimizers built in the same order on every rank, each given to "
+            f"Join, and none closed before the Join block ends)"
+        )
+    step = Round(plan_of_all, max(active), len(active), target)
+    target._join_source = step.source
+    if step.plan == _REDUCE | _IN_BACKWARD and step.active < target.world_size:
+        _share(target, None, joined=not plan)
     return step
 
 

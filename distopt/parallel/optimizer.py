@@ -126,8 +126,10 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         overlap: step each bucket as soon as its reduction arrives, during backward
             (compiled classes; eager ones overlap only the reduction), from the second step
             on and in no step a ``GradScaler`` takes: those wait for ``step()``, after the
-            scaler's inf/NaN check (see ``_next_plan``). Set False to step after the last
-            bucket, for instance to clip gradients first.
+            scaler's inf/NaN check (see ``_next_plan``); nor once a step has found ``.grad``
+            changed between backward and ``step()`` (``clip_grad_norm_``): every later step
+            waits, and steps the changed gradients. Set False to step every bucket after
+            the last one.
         shard: None (every rank holds all the optimizer state), ``"param"`` (each rank
             holds the state of whole parameters, about 1/W of it: the choice for
             Adafactor and Muon) or ``"flat"`` (1/W of each bucket's elements; elementwise
@@ -279,11 +281,23 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         self._forward_hook: Any = None
         if module is not None:
             call = weak_call(self._before_forward)
-            self._forward_hook = module.register_forward_pre_hook(lambda _m, _a: call())
+            self._forward_hook = module.register_forward_pre_hook(
+                _outside_graphs(lambda _m, _a: call()))
             weakref.finalize(self, self._forward_hook.remove)
         self._warned_late_change = False
         #: Whether the last step() came without a GradScaler (see ``_next_plan``).
         self._last_step_unscaled = False
+        #: Whether the training loop changes ``.grad`` between backward and ``step()``
+        #: (``clip_grad_norm_``, a scaling): seen once, every later step waits for ``step()``
+        #: (``_next_plan``).
+        self._grads_edited = False
+        #: Counts the steps and loads: what a consolidated state_dict was taken at.
+        self._state_generation = 0
+        #: ``consolidate_state_dict``'s result on the rank it was sent to: (generation, dict).
+        self._consolidated: Optional[Any] = None
+        _join.register(self)
+        #: What each trained parameter was at construction (``_check_params_unchanged``).
+        self._record_params()
         #: Whether this window's buckets step as they arrive (decided as it begins).
         self._in_backward = False
         logger.info(
@@ -345,6 +359,8 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                 # raised, a later step() without the scaler must not find them.
                 drop_amp_scaling(self)
             raise
+        finally:
+            self._state_generation += 1  # a consolidated state_dict is now out of date
 
     def _step(self, closure: Optional[Any], scaling: Optional[Any]) -> Optional[Any]:
         loss = None
@@ -410,6 +426,8 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                 )
             if stepped and poisoned is None and not self._reducer.broken:
                 self._check_grads_kept()
+            elif not stepped and poisoned is None:
+                self._note_grad_edits()
             if self._apply_changes() and stepped and not self._warned_late_change:
                 self._warned_late_change = True
                 warnings.warn(
@@ -466,9 +484,15 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         Returns:
             The total norm (before clipping).
 
+        With ``overlap=True`` the first step waits for ``step()``; clipping then (with this
+        method or with ``torch.nn.utils.clip_grad_norm_``) makes every later step wait for
+        ``step()`` too, so the clipped gradients are the ones stepped, as torch.optim steps
+        them.
+
         Raises:
-            RuntimeError: buckets step during backward (``overlap=True`` with a compiled
-                class), so there is nothing left to clip: build with ``overlap=False``.
+            RuntimeError: this step's buckets were stepped during backward (``overlap=True``,
+                a compiled class, and no step before this one clipped), so there is nothing
+                left to clip; from the next step on, steps wait for ``step()``.
             ValueError: ``param_groups`` no longer hold the parameters it was built with
                 (``distopt.param_groups.check_groups``).
         """
@@ -489,12 +513,17 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             total = total.to(local.dtype)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
             return total
-        if self._steps_in_backward():
+        stepped = self._reducer is not None and self._reducer.reducing and self._in_backward
+        if self.overlap and self._eager is None:
+            self._grads_edited = True  # from now on, every step waits for step()
+        if stepped:
             raise RuntimeError(
-                "Invalid clip_grad_norm_: with overlap=True each bucket is stepped as soon as "
-                "its gradients are averaged, during backward, before any clipping (expected "
-                "DataParallelOptimizer(..., overlap=False) to clip; under a GradScaler, whose "
-                "steps wait for its inf/NaN check, clip after scaler.unscale_(opt))"
+                "Invalid clip_grad_norm_: with overlap=True and no clipping in the steps "
+                "before this one, this step's buckets were stepped during backward, as soon "
+                "as their gradients were averaged, so there is nothing left to clip; from "
+                "the next step on every step waits for step() and is clipped (expected "
+                "clipping from the first step on, or DataParallelOptimizer(..., "
+                "overlap=False))"
             )
         if self._reducer is not None:
             self._reducer.complete()
@@ -505,18 +534,75 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
         (global index -> this rank's residual), with ``RoundRobin`` ``"sync"``, with
-        PowerSGD ``"compression"``. Sharded, every rank's pieces are gathered first (a
-        collective: every rank of ``process_group`` calls it, between steps)."""
-        return self._state_dict(gather=True)
+        PowerSGD ``"compression"``.
+
+        Unsharded, every rank holds the whole state: any rank may call it alone (rank 0
+        saving it, as with DDP + torch.optim). Sharded, each rank holds only its part: as
+        with torch's ZeroRedundancyOptimizer, call ``consolidate_state_dict(to=r)`` on every
+        rank first, then ``state_dict()`` on rank ``r``, before the next step.
+
+        Raises:
+            RuntimeError: sharded, and no ``consolidate_state_dict`` sent this rank the state
+                since the last step or load (at once: nothing waits for the other ranks).
+        """
+        if self.shard is None:
+            return self._state_dict(gather=True)  # nothing to gather: no collective
+        consolidated = self._consolidated
+        if consolidated is not None and consolidated[0] == self._state_generation:
+            return consolidated[1]
+        when = ("" if consolidated is None else
+                " (the state it consolidated last is out of date: a step or a load came since)")
+        raise RuntimeError(
+            f"Invalid state_dict on rank {self.rank}: with shard={self.shard!r} each rank "
+            f"holds 1/{self.world_size} of the optimizer state, and no consolidated state "
+            f"is on this rank{when}; nothing was gathered and nothing waits for the other "
+            f"ranks (expected opt.consolidate_state_dict(to={self.rank}) on every rank first, "
+            f"then opt.state_dict() on rank {self.rank}, as with torch's "
+            f"ZeroRedundancyOptimizer; or opt.save(path) on every rank)"
+        )
+
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Gather the whole optimizer state onto rank ``to`` of ``process_group`` (every
+        rank, with ``to=None``), for its ``state_dict()``; a collective: every rank calls it,
+        between steps (under ``Join`` too: a rank that has joined takes part). Unsharded,
+        there is nothing to gather and nothing is sent.
+
+        Args:
+            to: the rank (in ``process_group``) whose ``state_dict()`` returns the whole
+                state, or None for every rank.
+
+        Raises:
+            ValueError: ``to`` is not a rank of the group.
+        """
+        if to is not None and (isinstance(to, bool) or not isinstance(to, int)
+                               or not 0 <= to < self.world_size):
+            raise ValueError(
+                f"Invalid to: {to!r} (expected a rank of the group, 0 to "
+                f"{self.world_size - 1}, or None for every rank)"
+            )
+        if self.shard is None:
+            return
+        if self._join_config.enable:  # ranks that have joined gather with us
+            _join.consolidate_round(self, to)
+        self._consolidate(to)
+
+    def _consolidate(self, to: Optional[int]) -> None:
+        state = self._state_dict(gather=True)
+        self._consolidated = (
+            (self._state_generation, state) if to is None or to == self.rank else None
+        )
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict of this class (a local torch.optim one too); everything is
-        checked before anything changes.
+        checked before anything changes. Sharded, a collective: every rank calls it, and
+        what one rank refuses every rank refuses, with the same message. Another rank's
+        residuals (``"residuals_of"``) load with a warning (``distopt.parallel.state``).
 
         Raises:
             ValueError: another class, group count, parameter count, shape, or a state entry
                 that does not fit, named.
         """
+        self._state_generation += 1
         load_state_dict_with_hooks(self, state_dict, lambda sd: self._checked_loader(sd)())
 
     def state_bytes(self) -> int:
@@ -557,10 +643,15 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         Returns:
             The manifest.
 
+        Inside a ``Join`` block it may be called as the other collectives are: a rank that
+        has joined takes part in the save (its state and residuals are current).
+
         Raises:
             RuntimeError: some rank could not write (on every rank; nothing of this save is
                 left behind).
         """
+        if self._join_config.enable:
+            _join.save_round(self, path)
         return _checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
@@ -572,7 +663,16 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         Raises:
             ValueError: the manifest is not one of this optimizer's (class, world size),
                 or some rank's part does not fit (on every rank, naming the rank).
+            RuntimeError: inside a ``Join`` block (a rank that has joined cannot load with
+                the others), at once, before anything is read.
         """
+        if self._join_config.enable:
+            raise RuntimeError(
+                f"Invalid load on rank {self.rank}: inside a Join block, where a rank that "
+                f"has run out of batches cannot load with the others; nothing was read "
+                f"(expected opt.load({path!r}) before the Join block)"
+            )
+        self._state_generation += 1
         _checkpoint.load(self, path)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -653,13 +753,35 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     @property
     def join_device(self) -> torch.device:
         """Where Join's own collectives put their tensors."""
-        return collective_device(self._forward_group)
+        return collective_device(self.process_group)
 
     @property
     def join_process_group(self) -> Any:
-        """The group of Join's own collectives: this optimizer's, so that they are
-        ordered with its reductions."""
-        return self._forward_group
+        """The group of Join's own collectives and of the rounds that start each
+        iteration: ``process_group``, the same for every DataParallelOptimizer over it, so
+        that ``Join([opt1, opt2])`` takes several (``distopt.parallel.join``)."""
+        return self.process_group
+
+
+#: Why the buffers' broadcast stays out of torch.compile's graphs (dynamo prints it where
+#: ``fullgraph=True`` cannot break the graph there).
+_OUTSIDE_GRAPHS = (
+    "distopt: DataParallelOptimizer(..., module=model) broadcasts model's buffers before each "
+    "forward, a collective that runs outside any compiled graph; with "
+    "torch.compile(model, fullgraph=True) pass the compiled module instead: "
+    "compiled = torch.compile(model, fullgraph=True); "
+    "DataParallelOptimizer(..., module=compiled) (or compile with fullgraph=False)"
+)
+
+
+def _outside_graphs(hook: Any) -> Any:
+    """``hook`` run eagerly where torch.compile traces the module it is registered on: a
+    graph break (and, with ``fullgraph=True``, dynamo's error with ``_OUTSIDE_GRAPHS``).
+    Imports torch._dynamo (about 1 s, once per process)."""
+    try:
+        return torch.compiler.disable(hook, reason=_OUTSIDE_GRAPHS)
+    except TypeError:  # a torch whose disable() takes no reason
+        return torch.compiler.disable(hook)
 
 
 def _abandon(reducer: GradientReducer, private_group: Any) -> None:

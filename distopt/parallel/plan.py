@@ -186,9 +186,13 @@ class StepPlan(DataParallelState):
         ``overlap=True``, a compiled class, and after a ``step()`` that came without a
         GradScaler (``GradScaler.step`` hands this optimizer ``grad_scale`` and
         ``found_inf``): the first step, and every step a scaler takes, wait for ``step()``,
-        while the reductions still overlap backward.
+        while the reductions still overlap backward. Nor once a step has found ``.grad``
+        changed after its reduction (``torch.nn.utils.clip_grad_norm_`` between backward and
+        ``step()``, ``_note_grad_edits``): the loop edits gradients, so every later step
+        waits for ``step()`` and steps what ``.grad`` then holds, as torch.optim does.
         """
-        return self.overlap and self._eager is None and self._last_step_unscaled
+        return (self.overlap and self._eager is None and self._last_step_unscaled
+                and not self._grads_edited)
 
     def _steps_in_backward(self) -> bool:
         """Whether this window's buckets step (or will step) during backward."""
@@ -196,18 +200,69 @@ class StepPlan(DataParallelState):
             return self._in_backward
         return self._next_plan()
 
+    def _edited_grads(self) -> List[int]:
+        """The parameters (global indices) whose ``.grad`` was replaced, set to None or
+        changed in place since their bucket was reduced in this window."""
+        return sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
+
+    def _note_grad_edits(self) -> None:
+        """A step that waited for ``step()``: if the loop changed ``.grad`` after the
+        reduction (clipping, a scaling), every later step waits too (``_next_plan``)."""
+        if self._grads_edited or not self.overlap or self._eager is not None:
+            return
+        edited = self._edited_grads()
+        if edited:
+            self._grads_edited = True
+            logger.info(
+                "rank %d: the .grad of parameters %s changed between backward and step() "
+                "(clipping, a scaling): every later step waits for step() too, and steps "
+                "what .grad holds then", self.rank, edited[:10])
+
     def _check_grads_kept(self) -> None:
         """A ``.grad`` changed after backward stepped its bucket cannot be applied."""
-        changed = sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
+        changed = self._edited_grads()
         if changed:
+            self._grads_edited = True  # from the next step on, the change is applied
             raise RuntimeError(
                 f"Invalid step: the .grad of parameters {changed[:10]}"
                 f"{'...' if len(changed) > 10 else ''} changed between backward and step() "
                 f"(replaced, set to None, or changed in place: torch.nn.utils.clip_grad_norm_,"
-                f" zero_grad(), a scaling), but with overlap=True their buckets were stepped "
-                f"during backward with the averaged gradients, so the change is not applied "
-                f"(expected DataParallelOptimizer(..., overlap=False) to change gradients "
-                f"before step())"
+                f" zero_grad(), a scaling), but no step before this one changed them, so "
+                f"with overlap=True this step's buckets were stepped during backward with "
+                f"the averaged gradients and the change is not applied; from the next step "
+                f"on every step waits for step() and steps what .grad holds then (expected "
+                f"the same changes from the first step on, or "
+                f"DataParallelOptimizer(..., overlap=False))"
+            )
+
+    def _record_params(self) -> None:
+        """Remember each trained parameter's dtype, device, shape and strides."""
+        self._param_records = [(i, p, p.dtype, p.device, p.shape, p.stride())
+                               for i, p in sorted(self._bucketed.items())]
+
+    def _check_params_unchanged(self) -> None:
+        """Refuse a parameter cast, moved or re-laid out after construction (``model.double()``,
+        ``.to(memory_format=...)``), before anything is sent or stepped: its gradient bucket,
+        the compiled steps (and, sharded, its state's pieces) were built for what it was."""
+        for i, p, dtype, device, shape, stride in self._param_records:
+            if (p.dtype == dtype and p.device == device and p.shape == shape
+                    and p.stride() == stride):
+                continue
+            if p.dtype != dtype or p.device != device or p.shape != shape:
+                now = f"{p.dtype} on {p.device}, shape {tuple(p.shape)}"
+                was = f"{dtype} on {device}, shape {tuple(shape)}"
+                how = "cast, moved or replaced (model.double(), .half(), .to(...))"
+            else:
+                now, was = f"strides {p.stride()}", f"strides {stride}"
+                how = ("laid out anew (model.to(memory_format=torch.channels_last)), while "
+                       "the fused kernels read its gradient and state in the memory order "
+                       "it had (and, sharded, its state's pieces follow that order)")
+            raise RuntimeError(
+                f"Invalid parameter {i}: it is now {now}, but it was {was} when this "
+                f"DataParallelOptimizer was built: the model was {how} after the optimizer "
+                f"was built, and its gradient bucket was cut for what it was; nothing was "
+                f"sent or stepped (expected the change before DataParallelOptimizer(...), or "
+                f"close() and a new optimizer)"
             )
 
     def _check_untrained(self) -> None:
@@ -222,6 +277,7 @@ class StepPlan(DataParallelState):
 
     def _before_reduction(self) -> None:
         self._check_untrained()  # before any bucket is sent or stepped
+        self._check_params_unchanged()
         check_groups(self.param_groups, self._built)
         self._apply_changes()
         self._in_backward = self._next_plan()  # before the window's first bucket is sent
@@ -236,7 +292,7 @@ class StepPlan(DataParallelState):
         bucket.unused = unused
         if self._in_backward:
             self._step_bucket(bucket)
-            bucket.mark_stepped()
+        bucket.mark_stepped()  # what a change of .grad before step() is measured from
 
     def _gather_stepped(self, bucket: Bucket) -> Any:
         """Start the gather of a bucket stepped during backward (sharded), else None."""

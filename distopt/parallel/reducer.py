@@ -190,7 +190,9 @@ class GradientReducer:
         """A pass was refused in the hook of its first parameter, after the autograd engine
         had added that pass's gradient to its ``.grad``: undo it, or mark the step."""
         guard = self._guard
-        if guard is not None and guard[0] is bucket and guard[1] == slot:
+        if guard is not None and guard[0] is bucket and guard[1] == slot and (
+            param.dtype == bucket.dtype  # else the model was cast: .grad cannot be the view
+        ):
             view = bucket.grads[slot]
             view.copy_(guard[2])
             param.grad = view

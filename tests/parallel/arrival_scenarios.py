@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distopt.parallel import PowerSGD, TopK
 from distopt.parallel import optimizer as dp_optimizer
 from distopt.parallel.reducer import GradientReducer
+from tests.parallel.ranks import whole_state_dict
 from tests.state_hooks import hooks_seen
 
 LAYERS = 6
@@ -136,7 +137,7 @@ def parity(rank: int, world_size: int) -> Dict[str, Any]:
             out[name] = {
                 "layouts": layouts, "exact": exact, "first_launch": events.first_launch,
                 "params": torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]),
-                "state": _flat_state(opt.state_dict()),
+                "state": _flat_state(whole_state_dict(opt)),
                 "grads_are_views": all(
                     any(p.grad is g for b in opt._buckets for g in b.grads)
                     for p in model.parameters()
@@ -247,7 +248,7 @@ def carried(rank: int, world_size: int) -> Dict[str, Any]:
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-            states[rebuild] = (_flat_state(opt.state_dict()), opt.bucket_layout(),
+            states[rebuild] = (_flat_state(whole_state_dict(opt)), opt.bucket_layout(),
                                [p.grad.clone() for p in model.parameters()])
             opt.close()
         (s1, l1, g1), (s0, l0, g0) = states[True], states[False]
@@ -271,7 +272,7 @@ def powersgd_resume(rank: int, world_size: int) -> Dict[str, Any]:
             torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9, bucket_cap_mb=CAP_MB,
             compression=PowerSGD(rank=2, start_iter=2, min_compression_rate=0.5))
 
-    got = _resumed(make, lambda opt: copy.deepcopy(opt.state_dict()),
+    got = _resumed(make, lambda opt: copy.deepcopy(whole_state_dict(opt)),
                    lambda opt, saved: opt.load_state_dict(saved), batches, 4)
     return {
         "saved_layout": got["saved_layout"], "before": got["before"], "after": got["after"],

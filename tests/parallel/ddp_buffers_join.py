@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, TopK
 from distopt.parallel import compression_hook
-from tests.parallel.ranks import SMALL_BUCKETS_MB, eager_class, flat_params, make_model
+from tests.parallel.ranks import (SMALL_BUCKETS_MB, eager_class, flat_params, make_model,
+                                  whole_state_dict)
 
 
 class BatchNormNet(torch.nn.Module):
@@ -169,7 +170,7 @@ def _mlp_batch(rank: int, step: int):
 def _train_joined(name: str, model: Any, forward: Any, opt: Any, joinable: Any, rank: int,
                   divide: bool) -> Dict[str, Any]:
     """This rank's batches under ``Join([joinable])``; the parameters, the buffers and the
-    optimizer state after the block (the last with ``opt.state_dict()``). Runs named
+    optimizer state after the block (the last with ``whole_state_dict(opt)``). Runs named
     "...clip-schedule" clip the gradients and step a StepLR; "...grad-scaler..." follow the
     AMP recipe (float16 autocast; rank 1's third step overflows; "...-clip": unscale_ and
     clip)."""
@@ -205,7 +206,7 @@ def _train_joined(name: str, model: Any, forward: Any, opt: Any, joinable: Any, 
             if schedule is not None:
                 schedule.step()
     return {"params": flat_params(model), "buffers": [b.clone() for b in model.buffers()],
-            "state": {k: dict(v) for k, v in opt.state_dict()["state"].items()},
+            "state": {k: dict(v) for k, v in whole_state_dict(opt)["state"].items()},
             "seconds": time.monotonic() - started}
 
 
@@ -249,9 +250,9 @@ def join_like_ddp(rank: int, world_size: int) -> Dict[str, Any]:
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()
-            residuals.append(opt.state_dict()["residuals"])
+            residuals.append(whole_state_dict(opt)["residuals"])
     out["topk"] = {"params": flat_params(model), "residuals_at_join": residuals[-1],
-                   "residuals_after": opt.state_dict()["residuals"]}
+                   "residuals_after": whole_state_dict(opt)["residuals"]}
     opt.close()
 
     # overlap=False, module=, a forward between backward and step(): each has its iteration

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from distopt import _torch
 from distopt.parallel import DataParallelOptimizer, PowerSGD
-from tests.parallel.ranks import eager_class, flat_params
+from tests.parallel.ranks import eager_class, flat_params, whole_state_dict
 from tests.parallel.scenarios import wchar
 
 #: Large enough for one bucket, DDP's and ours (DDP's first bucket also holds at most 1 MiB).
@@ -245,11 +245,11 @@ def resumed(rank: int, world_size: int, path: str, saved_at: int, steps: int) ->
         _train(model, opt, data[:saved_at])
         opt.save(os.path.join(path, f"warm{warm_start}"))
         buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)
+        torch.save(whole_state_dict(opt), buf)
         saved = [p.detach().clone() for p in model.parameters()]
         _train(model, opt, data[saved_at:])
         result = {"uninterrupted": flat_params(model)}
-        compression = opt.state_dict()["compression"]
+        compression = whole_state_dict(opt)["compression"]
         result["state"] = {
             "iter": compression["iter"],
             "error_dict": sorted(compression["error_dict"]),
@@ -280,7 +280,7 @@ def refused_states(rank: int, world_size: int) -> Dict[str, str]:
     model = make_model(width=16)
     opt = _build(model, True)
     _train(model, opt, batches(rank, world_size, 3))
-    good = opt.state_dict()
+    good = whole_state_dict(opt)
     before = io.BytesIO()
     torch.save(good, before)
 
@@ -316,7 +316,7 @@ def refused_states(rank: int, world_size: int) -> Dict[str, str]:
         else:
             out[name] = "no error"
     after = io.BytesIO()
-    torch.save(opt.state_dict(), after)
+    torch.save(whole_state_dict(opt), after)
     out["unchanged"] = before.getvalue() == after.getvalue()
     opt.close()
     complex_param = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))

@@ -239,3 +239,11 @@ def _exact_reference(cls, kwargs, biases, x, y, steps, world_size, trained, mode
             optims[0].step(grads[:sizes[0]])
             optims[1].step(grads[sizes[0]:])
     return bool(torch.equal(flat_params(model), flat_params(trained)))
+
+
+def whole_state_dict(opt: Any) -> Dict[str, Any]:
+    """``opt.state_dict()`` on every rank; sharded, after ``consolidate_state_dict(to=None)``
+    (a collective) has gathered every rank's pieces onto every rank."""
+    if getattr(opt, "shard", None) is not None:
+        opt.consolidate_state_dict(to=None)
+    return opt.state_dict()

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from distopt.parallel import DataParallelOptimizer, optimizer_hook
-from tests.parallel.ranks import SMALL_BUCKETS_MB, data, eager_class, flat_params, make_model
+from tests.parallel.ranks import (SMALL_BUCKETS_MB, data, eager_class, flat_params, make_model,
+                                  whole_state_dict)
 
 STEPS = 6
 
@@ -87,7 +88,7 @@ def _train(model: torch.nn.Module, forward: Any, opt: Any, rank: int, overflows:
         scaler.update()
         scales.append(scaler.get_scale())
         opt.zero_grad()
-    return {"params": flat_params(model), "state": opt.state_dict()["state"], "scales": scales}
+    return {"params": flat_params(model), "state": whole_state_dict(opt)["state"], "scales": scales}
 
 
 def _refusals(rank: int) -> Dict[str, str]:

@@ -17,6 +17,7 @@ from distopt.parallel.sync import partition
 from tests.parallel import traces
 from tests.same import identical
 from tests.parallel.ranks import (
+    whole_state_dict,
     COMPLEX_CASES,
     SMALL_BUCKETS_MB,
     ZERO_GRAD_CASES,
@@ -122,7 +123,7 @@ def error_feedback(rank: int, world_size: int, scheme: str, overlap: bool) -> Di
             opt.zero_grad()
     finally:
         compression_module.sent_hook = None
-    residuals = opt.state_dict()["residuals"]
+    residuals = whole_state_dict(opt)["residuals"]
     index = {id(p): i for i, p in enumerate(params)}
     worst = 0.0
     for bucket in opt._buckets:
@@ -405,7 +406,7 @@ def complex_parameters(rank: int, world_size: int) -> Dict[str, Any]:
     opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.05, momentum=0.9,
                                 sync=RoundRobin(1))
     train_complex(model, model, opt, rank, steps=2)
-    out["round_robin_state"] = opt.state_dict()["state"]
+    out["round_robin_state"] = whole_state_dict(opt)["state"]
     opt.close()
 
     params = ComplexModel().parameters
@@ -692,7 +693,7 @@ def integration(rank: int, world_size: int) -> Dict[str, Any]:
     opt = DataParallelOptimizer(torch.optim.Adam, model.parameters(), lr=1e-2, amsgrad=True,
                                 bucket_cap_mb=SMALL_BUCKETS_MB)
     train(opt, model, [], 3, xs, ys)
-    sd = opt.state_dict()
+    sd = whole_state_dict(opt)
     out["state_keys"] = sorted(sd["state"][0])
     local = make_model()
     with torch.no_grad():
@@ -718,12 +719,12 @@ def integration(rank: int, world_size: int) -> Dict[str, Any]:
     # A state_dict of the wrong shape changes nothing.
     bad = lopt.state_dict()
     bad["state"][0]["exp_avg"] = torch.zeros(3)
-    before = fresh.state_dict()
+    before = whole_state_dict(fresh)
     try:
         fresh.load_state_dict(bad)
     except ValueError as exc:
         out["bad_state"] = str(exc)
-    after = fresh.state_dict()
+    after = whole_state_dict(fresh)
     out["bad_state_unchanged"] = all(
         torch.equal(before["state"][i][k], after["state"][i][k])
         for i in before["state"] for k in before["state"][i]
@@ -801,7 +802,7 @@ def round_robin(rank: int, world_size: int, k: int) -> Dict[str, Any]:
         opt.zero_grad()
         synced_equal.append([m for m in opt._partitions[step % k]])
     out: Dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()],
-                           "partitions": opt._partitions, "round": opt.state_dict()["sync"]}
+                           "partitions": opt._partitions, "round": whole_state_dict(opt)["sync"]}
     if rank == 0:
         sims = [make_model() for _ in range(world_size)]
         opts = [torch.optim.Adam(s.parameters(), lr=1e-2) for s in sims]
@@ -871,7 +872,7 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     # naming the file, before anything changes.
     state = next(n for n in out["files_after_second_save"] if "-state-" in n)
     residuals = next(n for n in out["files_after_second_save"] if n.endswith("residuals-rank1.pt"))
-    before = resumed.state_dict()
+    before = whole_state_dict(resumed)
     # Copies of the checkpoint whose manifest names a file outside it: refused on every
     # rank, naming the file, before anything changes (the files themselves are truthful).
     dist.barrier()
@@ -907,7 +908,7 @@ def checkpoint(rank: int, world_size: int, path: str) -> Dict[str, Any]:
             with open(os.path.join(path, state), "r+b") as f:  # put the byte back
                 f.seek(os.path.getsize(os.path.join(path, state)) // 2)
                 f.write(byte)
-    out["state_unchanged"] = identical(resumed.state_dict(), before)
+    out["state_unchanged"] = identical(whole_state_dict(resumed), before)
     out["state_file"], out["residuals_file"] = state, residuals
     dist.barrier()
     if rank == 0:
@@ -1344,7 +1345,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        residuals.append(opt.state_dict()["residuals"][4].clone())
+        residuals.append(whole_state_dict(opt)["residuals"][4].clone())
     opt.close()
     out["unused_residuals"] = residuals
 

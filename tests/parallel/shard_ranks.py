@@ -15,7 +15,7 @@ import torch.distributed as dist
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, TopK
 from tests.parallel.cases import CASES
 from tests.parallel import ranks
-from tests.parallel.ranks import eager_class, flat_params
+from tests.parallel.ranks import eager_class, flat_params, whole_state_dict
 
 #: Buckets of at most 1,200 float32 elements: the model below has four, one holding
 #: several parameters, and the "flat" cuts fall inside parameters of 1,961 and 1,537.
@@ -101,7 +101,7 @@ def parity(rank: int, world_size: int, steps: int, overlaps: List[bool],
                 out[f"{cls.__name__}/{shard}/{overlap}"] = {
                     "params": flat_params(model),
                     "exact": bool(torch.equal(flat_params(model), ref_params)),
-                    "state_exact": _state_equal(opt.state_dict(), ref_state),
+                    "state_exact": _state_equal(whole_state_dict(opt), ref_state),
                     "state_bytes": opt.state_bytes(),
                     "total": total,
                     "largest": largest,
@@ -138,7 +138,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
             train(opt, model, rank, world_size, 6, scheduler=scheduler,
                   passes=options.get("backward_passes_per_step", 1),
                   clip=0.05 if name == "clip" else None)
-            results[shard] = (flat_params(model), opt.state_dict())
+            results[shard] = (flat_params(model), whole_state_dict(opt))
             opt.close()
         out[name] = {
             shard: bool(torch.equal(results[shard][0], results[None][0]))
@@ -153,10 +153,10 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
         opt = DataParallelOptimizer(eager_class(torch.optim.Adam), groups(model, 1e-2),
                                     lr=1e-2, bucket_cap_mb=BUCKETS_MB, shard=shard)
         train(opt, model, rank, world_size, 4)
-        results[shard] = (flat_params(model), opt.state_dict(), opt.state_bytes())
+        results[shard] = (flat_params(model), whole_state_dict(opt), opt.state_bytes())
         if shard is not None:
             opt.load_state_dict(results[None][1])
-            reloaded = _state_equal(opt.state_dict(), results[None][1])
+            reloaded = _state_equal(whole_state_dict(opt), results[None][1])
         opt.close()
     out["eager"] = {"param": bool(torch.equal(results["param"][0], results[None][0]))
                     and _state_equal(results["param"][1], results[None][1]) and reloaded
@@ -202,7 +202,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
             opt.step()
             opt.zero_grad()
         results[shard] = (torch.cat([flat_params(model)] + [t.detach().reshape(-1) for t in extra]),
-                          opt.state_dict())
+                          whole_state_dict(opt))
         assert not odd.is_contiguous() and not conv.is_contiguous()
         opt.close()
     out["odd"] = {
@@ -223,12 +223,12 @@ def save(rank: int, world_size: int, paths: Dict[str, str]) -> Dict[str, Any]:
         model = make_model()
         opt = DataParallelOptimizer(torch.optim.Adam, groups(model, 1e-2), lr=1e-2,
                                     bucket_cap_mb=BUCKETS_MB, shard=shard)
-        empty = opt.state_dict()  # at any time: before the first step too
+        empty = whole_state_dict(opt)  # at any time: before the first step too
         assert empty["state"] == {} and [g["lr"] for g in empty["param_groups"]] == [1e-2, 5e-3]
         train(opt, model, rank, world_size, 3)
         manifest = opt.save(path)
         out[shard] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                      "saved": opt.state_dict(), "files": sorted(os.listdir(path)),
+                      "saved": whole_state_dict(opt), "files": sorted(os.listdir(path)),
                       "manifest": manifest}
         opt.close()
     return out
@@ -252,7 +252,7 @@ def resume(rank: int, world_size: int, paths: Dict[str, str],
                 opt.load_state_dict(saved[source]["saved"])
             else:
                 opt.load(path)
-            loaded = _state_equal(opt.state_dict(), saved[source]["saved"])
+            loaded = _state_equal(whole_state_dict(opt), saved[source]["saved"])
             train(opt, model, rank, world_size, 3, first=3)
             out[f"{source}->{shard}"] = {"loaded": loaded, "params": flat_params(model)}
             opt.close()
@@ -286,7 +286,7 @@ def load_refuses_gaps(rank: int, world_size: int, path: str) -> str:
                                 bucket_cap_mb=BUCKETS_MB, shard="flat")
     train(opt, model, rank, world_size, 2)
     manifest = opt.save(path)
-    before = opt.state_dict()
+    before = whole_state_dict(opt)
     if rank == 0:
         name = os.path.join(path, f"dp-{manifest['generation']}-shard-rank1.pt")
         part = torch.load(name, weights_only=True)
@@ -308,7 +308,7 @@ def load_refuses_gaps(rank: int, world_size: int, path: str) -> str:
         message = ""
     except ValueError as exc:
         message = str(exc)
-    assert _state_equal(opt.state_dict(), before)
+    assert _state_equal(whole_state_dict(opt), before)
     opt.close()
     return message
 

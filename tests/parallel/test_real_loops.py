@@ -1,0 +1,129 @@
+"""Issue 36: training loops as users write them, unmodified, against DDP + torch.optim in the
+same gloo world (``real_loops``)."""
+import pytest
+import torch
+
+from tests.parallel import real_loops
+from tests.same import assert_identical
+
+
+@pytest.fixture(scope="module")
+def nanogpt(worlds, tmp_path_factory):
+    return worlds.run(real_loops.nanogpt, 2, str(tmp_path_factory.mktemp("nanogpt")))
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "grad-scaler"])
+@pytest.mark.parametrize("options", ["defaults", "flat", "param"])
+def test_nanogpt_loop_equals_ddp_with_default_options(nanogpt, scaled, options):
+    """Clipping with the default overlap=True, accumulation with no_sync, a GradScaler:
+    every iteration bit for bit with DDP + torch.optim, on every rank."""
+    for rank in range(2):
+        ddp, ours = nanogpt[rank][f"{scaled}/ddp"], nanogpt[rank][f"{scaled}/{options}"]
+        assert len(ours) == real_loops.ITERS
+        assert not torch.equal(ours[0], ours[-1])  # it trained
+        for it, (got, want) in enumerate(zip(ours, ddp)):
+            assert torch.equal(got, want), (rank, it)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "grad-scaler"])
+@pytest.mark.parametrize("options", ["defaults", "flat", "param"])
+def test_rank0_saves_the_state_dict_and_every_rank_resumes_it(nanogpt, scaled, options):
+    for rank in range(2):
+        resumed = nanogpt[rank][f"{scaled}/{options}/resumed"]
+        uninterrupted = nanogpt[rank][f"{scaled}/{options}"][real_loops.SAVE_AT + 1:]
+        assert len(resumed) == len(uninterrupted) > 0
+        for got, want in zip(resumed, uninterrupted):
+            assert torch.equal(got, want), rank
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "grad-scaler"])
+@pytest.mark.parametrize("options", ["flat", "param"])
+def test_a_sharded_state_dict_on_one_rank_raises_at_once(nanogpt, scaled, options):
+    key = f"{scaled}/{options}"
+    lone = nanogpt[0][f"{key}/lone"]
+    assert lone.startswith(f"Invalid state_dict on rank 0: with shard='{options}' each rank "
+                           f"holds 1/2 of the optimizer state")
+    assert "nothing waits for the other ranks" in lone
+    assert "opt.consolidate_state_dict(to=0) on every rank first" in lone
+    assert "consolidated state is on this rank" in nanogpt[1][f"{key}/not-to"]
+    assert "out of date: a step or a load came since" in nanogpt[0][f"{key}/stale"]
+
+
+def test_clipping_that_starts_late_raises_once_then_is_applied(worlds):
+    for result in worlds.run(real_loops.late_clipping, 2):
+        assert [step for step, _ in result["errors"]] == [2]
+        assert "no step before this one changed them" in result["errors"][0][1]
+        assert "from the next step on every step waits for step()" in result["errors"][0][1]
+        for got, want in zip(result["ours"][:2] + result["ours"][3:],
+                             result["ddp"][:2] + result["ddp"][3:]):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["one-join", "nested-joins"])
+def test_two_optimizers_under_join_with_save_inside(worlds, tmp_path, nested):
+    """Uneven inputs (5 and 3 batches) with two DataParallelOptimizers: the parameters and
+    BatchNorm buffers of DDP's last joiner on every rank; save() and
+    consolidate_state_dict() inside the block after rank 1 joined complete, and what they
+    wrote is the state of that iteration."""
+    results = worlds.run(real_loops.two_optimizers_join, 2, str(tmp_path), nested)
+    last = results[0]
+    for r in results:
+        assert torch.equal(r["ours"], last["ddp"])
+        for got, want in zip(r["buffers"], last["ddp_buffers"]):
+            assert torch.equal(got, want)
+    assert_identical(last["state_at_3"], last["ref_state_at_3"])
+    for r in results:
+        assert_identical(r["loaded_body"], last["state_at_3"])
+        assert_identical(r["loaded_head"], last["head_state_at_3"])
+
+
+def test_load_inside_join_is_refused_at_once(worlds, tmp_path):
+    for rank, message in enumerate(worlds.run(real_loops.load_inside_join, 2, str(tmp_path))):
+        assert message.startswith(f"Invalid load on rank {rank}: inside a Join block"), message
+
+
+@pytest.fixture(scope="module")
+def changed(worlds):
+    return worlds.run(real_loops.changed_after_construction, 2)
+
+
+@pytest.mark.parametrize("cast,dtype", [("double", "torch.float64"), ("half", "torch.float16"),
+                                        ("bfloat16", "torch.bfloat16")])
+def test_a_model_cast_after_construction_is_refused_naming_it(changed, cast, dtype):
+    for r in changed:
+        assert r[cast].startswith(f"Invalid parameter 0: it is now {dtype} on cpu"), r[cast]
+        assert "but it was torch.float32 on cpu" in r[cast]
+        assert "the model was cast, moved or replaced" in r[cast]
+        assert r[f"{cast}/unchanged"]
+
+
+def test_channels_last_after_construction_is_refused_naming_it(changed):
+    """Before, unsharded with fused SGD stepped the channels_last weights with the gradient in
+    the old memory order (off DDP), and sharded too (0.286 off with "flat")."""
+    for r in changed:
+        for shard in (None, "flat", "param"):
+            message = r[f"channels_last/{shard}"]
+            assert message.startswith("Invalid parameter 0: it is now strides (18, 1, 6, 2), "
+                                      "but it was strides (18, 9, 3, 1)"), message
+            assert "torch.channels_last" in message and "nothing was sent or stepped" in message
+
+
+@pytest.mark.parametrize("module", ["module=model", "module=compiled"])
+def test_compile_fullgraph_with_module(compiled, module):
+    """nanoGPT's torch.compile(model) with module= either the model or the compiled module:
+    parameters and BatchNorm buffers equal DDP's after every step, on every rank."""
+    for r in compiled:
+        assert len(r[module]) == 3
+        for got, want in zip(r[module], r["ddp"]):
+            assert torch.equal(got, want)
+
+
+def test_compile_fullgraph_of_a_torch_container_names_the_fix(compiled):
+    for r in compiled:
+        assert r["container"].startswith("Unsupported"), r["container"]
+        assert "module=compiled" in r["container"] and "fullgraph=True" in r["container"]
+
+
+@pytest.fixture(scope="module")
+def compiled(worlds):
+    return worlds.run(real_loops.compiled_module, 2)
