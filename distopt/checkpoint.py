@@ -72,13 +72,16 @@ def _hook(stage: str, path: str) -> None:
 # ---------------------------------------------------------------- trainer side
 
 
-def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str) -> Dict[str, Any]:
+def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str,
+         extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Write the state into the directory ``path``: shards in parallel, then the manifest.
 
     Args:
         layout: the optimizer's owners and parameters.
         param_groups: the trainer's param groups.
         path: a directory (created if missing) on a filesystem every owner shares.
+        extra: what else the manifest records (JSON), for the optimizer's ``load`` to
+            check: ``distopt.sparse``'s partitions of its tables.
 
     Returns:
         The manifest written.
@@ -118,6 +121,7 @@ def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str) -> Dict[
                 for shape, dtype in zip(layout.param_shapes, layout.param_dtypes)
             ],
             "shards": [{"owner": name, **info} for name, info in written.items()],
+            **(extra or {}),
         }
         _manifest.write(path, manifest)
     except Exception:
@@ -132,17 +136,20 @@ def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str) -> Dict[
     return manifest
 
 
-def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
+def load(layout: Layout, trainer: TrainerGroups, path: str,
+         check: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
     """Restore the checkpoint in ``path``.
 
-    The manifest is checked on the trainer (class, groups, parameter counts and shapes);
-    then every owner reads and checks its part in parallel; only when all have succeeded
-    does any owner change its state, and the trainer its param groups.
+    The manifest is checked on the trainer (class, groups, parameter counts and shapes,
+    and by ``check``); then every owner reads and checks its part in parallel; only when
+    all have succeeded does any owner change its state, and the trainer its param groups.
 
     Args:
         layout: the optimizer's owners and parameters.
         trainer: the trainer's param groups and the values its owners hold.
         path: the checkpoint directory.
+        check: called with the manifest before any owner reads its part; raises
+            ValueError for a checkpoint the optimizer cannot take (``save``'s ``extra``).
 
     Raises:
         FileNotFoundError: ``path`` holds no manifest.
@@ -173,6 +180,8 @@ def load(layout: Layout, trainer: TrainerGroups, path: str) -> None:
                 f"Invalid checkpoint: parameter {i} has shape {shape} (expected "
                 f"{tuple(layout.param_shapes[i])})"
             )
+    if check is not None:
+        check(manifest)
     shards = _checked_shards(path, manifest, len(saved_params))
     file_of = {i: shard["file"] for shard in shards for i in shard["params"]}
     expected = {shard["file"]: shard for shard in shards}

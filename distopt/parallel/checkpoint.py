@@ -7,6 +7,8 @@ A checkpoint is a directory (on a filesystem every rank shares)::
                                         its size and CRC-32
     dp-<generation>-state-rank<r>.pt    torch.optim's state_dict (r = 0 only, unless the
                                         state differs per rank: RoundRobin)
+    dp-<generation>-shard-rank<r>.pt    sharded: rank r's pieces of the state, where they lie
+                                        and the shapes of their parameters
     dp-<generation>-residuals-rank<r>.pt  each rank's error-feedback residuals and its
                                         compression state (PowerSGD), if any
 
@@ -14,14 +16,19 @@ Files are written with ``distopt.manifest.write_atomic`` (temporary name, fsync,
 under a new generation id; the manifest, renamed last, names them, so a failed save leaves
 the previous checkpoint loadable, and files of other generations are removed only after
 the new manifest is in place. Every rank reports whether its writes succeeded through one
-all_reduce before the manifest is written, and on load whether its part was accepted
-before any rank changes anything. Load refuses, on every rank and naming the file, what
+all_reduce before the manifest is written, and on load its reason for refusing its part,
+if any, before any rank changes anything (``refuse_everywhere``): every rank then raises
+the same error, naming each refusing rank and its reason. Load refuses what
 ``distopt.manifest`` refuses (shared with the RPC format): a manifest that does not parse,
-a file name outside the directory, a file missing, resized or corrupted.
+a file name outside the directory, a file missing, resized or corrupted; and a state saved
+for a parameter of another shape.
+
+Sharded, a rank reads the pieces it will hold once the load has cut its buckets as the
+saved state says (``DataParallelState._load_plan``), not those of its buckets before.
 """
 import logging
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +43,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "distopt.data_parallel"
 VERSION = 2
 
-__all__ = ["FORMAT", "MANIFEST", "load", "save"]
+__all__ = ["FORMAT", "MANIFEST", "load", "refuse_everywhere", "save"]
 
 
 def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
@@ -46,16 +53,50 @@ def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
     try:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
     except Exception as exc:
-        raise _lost(opt, what, path, exc) from exc
+        raise _lost(opt, f"{what} {path!r}", exc) from exc
     return bool(flag.item())
 
 
-def _lost(opt: Any, what: str, path: str, exc: BaseException) -> RuntimeError:
+def _lost(opt: Any, doing: str, exc: BaseException) -> RuntimeError:
     return RuntimeError(
-        f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: {what} {path!r} "
-        f"could not agree with the other ranks (one died or timed out): "
-        f"{type(exc).__name__}: {exc}"
+        f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: {doing} could not "
+        f"agree with the other ranks (one died or timed out): {type(exc).__name__}: {exc}"
     )
+
+
+def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, doing: str) -> None:
+    """Raise on every rank the same ValueError if any rank of ``opt``'s group refused its
+    part of a load (``error``: this rank's reason, or None), naming each refusing rank and
+    its reason; return if none did. One all_gather_object of the reasons: every rank calls
+    it, and every rank decides alike.
+
+    Args:
+        what: what was refused, for the message ("checkpoint", "state_dict").
+        doing: what the ranks were doing, should the collective fail ("load from '<dir>'").
+
+    Raises:
+        ValueError: some rank refused; nothing changed on any rank.
+        RuntimeError: the ranks could not agree (one died or timed out).
+    """
+    reason = None if error is None else str(error)
+    every: List[Optional[str]] = [reason]
+    if opt.world_size > 1:
+        every = [None] * opt.world_size
+        try:
+            dist.all_gather_object(every, reason, group=opt.process_group)
+        except Exception as exc:
+            raise _lost(opt, doing, exc) from exc
+    by_reason: Dict[str, List[int]] = {}
+    for rank, message in enumerate(every):
+        if message is not None:
+            by_reason.setdefault(message, []).append(rank)
+    if not by_reason:
+        return
+    refusals = "; on ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}"
+        for message, ranks in by_reason.items()
+    )
+    raise ValueError(f"Invalid {what} on {refusals} (nothing changed on any rank)") from error
 
 
 def save(opt: Any, path: str) -> Dict[str, Any]:
@@ -65,7 +106,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         group = opt.process_group
         dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     except Exception as exc:
-        raise _lost(opt, "save to", path, exc) from exc
+        raise _lost(opt, f"save to {path!r}", exc) from exc
     generation = box[0]
     per_rank = opt.sync is not None
     sharded = opt.shard is not None
@@ -74,6 +115,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     try:
         os.makedirs(path, exist_ok=True)
         sd = opt._state_dict(gather=False)
+        sd.pop("residuals_of", None)  # the residuals file's name says whose
         residuals = sd.pop("residuals", None)
         codec_state = sd.pop("compression", None)
         if codec_state is not None:
@@ -105,7 +147,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         )
     except Exception as exc:
         _manifest.prune(path, lambda name: name in written)
-        raise _lost(opt, "save to", path, exc) from exc
+        raise _lost(opt, f"save to {path!r}", exc) from exc
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -158,45 +200,62 @@ def load(opt: Any, path: str) -> None:
                 f"{opt.world_size}: its state or residuals are per rank)"
             )
         generation = manifest["generation"]
-        if manifest.get("shard"):
-            sd = _join_shards(opt, path, manifest)
-        else:
-            source = opt.rank if manifest["state_per_rank"] else 0
-            name = _checked(path, manifest, _file_name(generation, "state", source))
-            sd = torch.load(name, weights_only=True)
+        part, compression = None, None
         if manifest["residuals"]:
             name = _checked(path, manifest, _file_name(generation, "residuals", opt.rank))
             part = torch.load(name, weights_only=True)
             if isinstance(part, dict) and "compression" in part:
-                sd["compression"] = part["compression"]
+                compression = part["compression"]
                 part = part["residuals"]
-            if opt._codec.error_feedback:
-                sd["residuals"] = part
-        loader = opt._checked_loader(sd)
+        plan = None
+        if manifest.get("shard"):
+            sd, plan = _join_shards(opt, path, manifest, compression)
+        else:
+            source = opt.rank if manifest["state_per_rank"] else 0
+            name = _checked(path, manifest, _file_name(generation, "state", source))
+            sd = torch.load(name, weights_only=True)
+        if compression is not None:
+            sd["compression"] = compression
+        if manifest["residuals"] and opt._codec.error_feedback:
+            sd["residuals"] = part
+        loader = opt._checked_loader(sd, plan, agreed=True)
     except Exception as exc:  # reported on every rank below
         error = exc
-    if not _agree(error is None, opt, "load from", path):
-        if error is not None:
-            raise ValueError(f"Invalid checkpoint on rank {opt.rank}: {error}") from error
-        raise ValueError(
-            f"Invalid checkpoint {path!r}: another rank refused its part (nothing changed)"
-        )
+    # Every rank raises the same message, naming the ranks that refused and why.
+    refuse_everywhere(opt, error, "checkpoint", f"load from {path!r}")
     loader()
     logger.info("rank %d: loaded %s", opt.rank, path)
 
 
-def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
+def _join_shards(opt: Any, path: str, manifest: Dict[str, Any],
+                 compression: Any) -> Tuple[Dict[str, Any], Any]:
     """The state this rank needs, in torch.optim's format, from a sharded checkpoint of any
-    world size: whole parameters, joined from every shard file that holds a piece of one
-    (read memory-mapped); each piece is checked to be there exactly once."""
+    world size, and ``opt._load_plan``'s plan for it: whole parameters, joined from every
+    shard file that holds a piece of one (read memory-mapped); each piece is checked to be
+    there exactly once, and each parameter to have the shape it was saved with.
+
+    The pieces this rank needs are those it holds once the load has cut its buckets as the
+    saved state says (``compression``'s layout, or the files' ``"layout"``): not
+    necessarily those of its buckets now."""
     trained = opt._bucketed
-    needed = set(_shard.piece_index(opt._buckets)) if opt.shard is not None else set(trained)
-    parts: Dict[int, List[Any]] = {}
-    groups = None
+    loaded = []
     for r in range(manifest["world_size"]):
         name = _checked(path, manifest, _file_name(manifest["generation"], "shard", r))
-        part = torch.load(name, weights_only=True, mmap=True)
+        loaded.append((name, torch.load(name, weights_only=True, mmap=True)))
+    layout = loaded[0][1].get("layout") if loaded else None
+    plan = opt._load_plan({"compression": compression, "layout": layout})
+    needed = set(plan[1]) if opt.shard is not None else set(trained)
+    parts: Dict[int, List[Any]] = {}
+    groups = None
+    for name, part in loaded:
         groups = part["param_groups"]
+        for i, shape in sorted(part.get("shapes", {}).items()):  # none before this version
+            if i in trained and list(shape) != list(trained[i].shape):
+                raise ValueError(
+                    f"Invalid checkpoint {path!r}: state[{i}] was saved for a parameter of "
+                    f"shape {list(shape)} (expected {list(trained[i].shape)} for params[{i}] "
+                    f"of shape {list(trained[i].shape)}; {os.path.basename(name)!r})"
+                )
         for i, (a, b) in part["pieces"].items():
             if i in needed:
                 parts.setdefault(i, []).append((a, b, part["state"].get(i), name))
@@ -221,7 +280,10 @@ def _join_shards(opt: Any, path: str, manifest: Dict[str, Any]) -> Dict[str, Any
         if all(stepped):
             state[i] = _shard.merge_pieces([(a, b, e) for a, b, e, _ in ps], trained[i].shape,
                                            manifest["shard"] == "flat")
-    return {"state": state, "param_groups": groups}
+    sd = {"state": state, "param_groups": groups}
+    if layout is not None:
+        sd["layout"] = layout
+    return sd, plan
 
 
 def _file_name(generation: Any, kind: str, rank: int) -> str:

@@ -48,10 +48,15 @@ class Compression:
         takes_complex: whether the scheme carries complex gradients (as their real and
             imaginary parts, as gloo reduces them); the sparsifying and factorizing schemes
             choose or factor real values and do not.
+        bucket_wide: whether what a bucket sends for an element depends on the rest of the
+            bucket (TopK chooses its k largest over the whole bucket): a run then reduces
+            as another only over the same buckets, so ``state_dict`` records them
+            (``"layout"``) for a resumed run to take. PowerSGD's state holds its own.
     """
 
     error_feedback = False
     takes_complex = False
+    bucket_wide = False
 
     def bound(self, group: Any, rank: int, world_size: int, buckets: List[Bucket]) -> "Compression":
         """The scheme as one optimizer uses it, once its communication group is known (a
@@ -275,6 +280,8 @@ class TopK(_Sparsify):
     Raises:
         ValueError: ``ratio`` outside (0, 1]; TypeError: not a number.
     """
+
+    bucket_wide = True
 
     def __init__(self, ratio: float, error_feedback: bool = True) -> None:
         check_number("ratio", ratio, "a float in (0, 1]", lambda r: 0.0 < r <= 1.0)

@@ -601,7 +601,16 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         Raises:
             ValueError: another class, group count, parameter count, shape, or a state entry
                 that does not fit, named.
+            RuntimeError: sharded, inside a ``Join`` block (a rank that has joined cannot
+                load with the others), at once, before anything is read.
         """
+        if self.shard is not None and self._join_config.enable:
+            raise RuntimeError(
+                f"Invalid load_state_dict on rank {self.rank}: with shard={self.shard!r} it is "
+                f"a collective, and inside a Join block a rank that has run out of batches "
+                f"cannot load with the others; nothing was read (expected load_state_dict "
+                f"before the Join block)"
+            )
         self._state_generation += 1
         load_state_dict_with_hooks(self, state_dict, lambda sd: self._checked_loader(sd)())
 

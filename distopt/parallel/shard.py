@@ -23,7 +23,7 @@ class (the same elements meet the same operands in the same lanes), so sharded t
 equals unsharded training exactly.
 """
 import itertools
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,9 @@ from distopt.parallel.buckets import Bucket
 from distopt.profiling import profiler_range
 
 __all__ = [
-    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "attach", "cut_state", "gather", "gather_all",
-    "gathered_state", "laid_out", "merge_pieces", "own_pieces_of", "piece_index", "split",
-    "state_size", "step_own", "store",
+    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
+    "gather", "gather_all", "gathered_state", "laid_out", "merge_pieces", "own_pieces_of",
+    "piece_index", "split", "state_size", "step_own", "store",
 ]
 
 #: Cuts inside a parameter fall at multiples of this many elements from its start.
@@ -323,17 +323,43 @@ def gathered_state(opt: Any, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[
     return {i: merge_pieces(ps, opt._bucketed[i].shape, flat) for i, ps in parts.items()}
 
 
-def own_pieces_of(opt: Any, state: Dict[int, Dict[str, Any]],
-                  saved_ids: Sequence[Any]) -> Dict[int, Dict[str, Any]]:
+def own_pieces_of(opt: Any, state: Dict[int, Dict[str, Any]], saved_ids: Sequence[Any],
+                  pieces: Optional[Dict[int, Any]] = None) -> Dict[int, Dict[str, Any]]:
     """This rank's pieces of a whole state of ``opt`` (torch.optim's format, global index
-    keys); ``saved_ids`` name the entries in errors."""
+    keys); ``saved_ids`` name the entries in errors. ``pieces``: ``piece_index`` of the
+    buckets the state goes to (default: ``opt``'s buckets now)."""
     out = {}
-    for i, want in piece_index(opt._buckets).items():
+    if pieces is None:
+        pieces = piece_index(opt._buckets)
+    for i, want in pieces.items():
         if i in state:
             p = opt._bucketed[i]
             out[i] = cut_state(state[i], (0, p.numel(), p.shape), want,
                                f"state_dict['state'][{saved_ids[i]!r}]")
     return out
+
+
+def check_laid_out(opt: Any, state: Dict[int, Dict[str, Any]]) -> None:
+    """With ``"flat"``, that every state tensor of a whole state (global index keys) but a
+    0-dim one is shaped like its parameter, as the unsharded optimizer checks it: a flat
+    piece would take any tensor of as many elements. Every rank checks every parameter's,
+    so every rank decides alike.
+
+    Raises:
+        ValueError: naming the parameter, its shape and the tensor's.
+    """
+    if opt.shard != "flat":
+        return
+    for i, entry in sorted(state.items()):
+        if i not in opt._bucketed or not isinstance(entry, dict):
+            continue  # not trained here, or not an entry: the other checks name it
+        shape = list(opt._bucketed[i].shape)
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and list(value.shape) != shape:
+                raise ValueError(
+                    f"Invalid state[{i}][{key!r}]: shape {list(value.shape)} (expected {shape} "
+                    f"for params[{i}] of shape {shape})"
+                )
 
 
 def step_own(buckets: Sequence[Bucket], step: Callable[[], None]) -> None:

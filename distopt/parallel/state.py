@@ -7,12 +7,14 @@ checkpoints (``distopt.parallel.checkpoint``).
 Both optimizers step one compiled functional optimizer per *unit*: a (bucket, param group)
 for ``DataParallelOptimizer``, a param group for ``OptimizerInBackward``.
 """
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
 from distopt.local_optimizer import CompiledSteps
 from distopt.param_groups import as_keywords, check_groups, pending_changes, snapshot
+from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel import shard as _shard
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
@@ -115,9 +117,18 @@ class DataParallelState(CompiledState):
     optimizer's): residuals, the compression's state, ``RoundRobin``'s round; sharded, the
     pieces every rank holds."""
 
+    #: Whether a load has warned that it gave this rank another rank's residuals.
+    _warned_residuals = False
+
     def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
         """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
-        ``"state"``, and where they lie under ``"pieces"`` (global index -> (start, stop))."""
+        ``"state"``, where they lie under ``"pieces"`` (global index -> (start, stop)) and
+        the shapes of their parameters under ``"shapes"``.
+
+        Residuals and the compression's state are this rank's own: ``"residuals_of"``
+        records whose (``{"rank", "world_size"}``). Where what a bucket sends depends on the
+        whole bucket (``Compression.bucket_wide``: TopK), ``"layout"`` records the buckets
+        (``bucket_layout()``), which a new optimizer takes on load."""
         sharded = self.shard is not None
         if self._eager is not None:
             sd = self._eager.state_dict()
@@ -130,24 +141,43 @@ class DataParallelState(CompiledState):
         if not gather and sharded:
             pieces = _shard.piece_index(self._buckets)
             sd["pieces"] = {i: (a, b) for i, (a, b, _) in pieces.items()}
+            sd["shapes"] = {i: tuple(self._bucketed[i].shape) for i in pieces}
         extra = self._codec.state_dict()
         if extra is not None:
             sd["compression"] = extra
+        if "residuals" in sd or extra is not None:
+            sd["residuals_of"] = {"rank": self.rank, "world_size": self.world_size}
+        if self._codec.bucket_wide and self._reducer is not None:
+            sd["layout"] = self.bucket_layout()
         if self.sync is not None:
             sd["sync"] = {"round": self._round}
         return sd
 
-    def _checked_loader(self, state_dict: Dict[str, Any]) -> Callable[[], None]:
+    def _checked_loader(self, state_dict: Dict[str, Any], plan: Optional[Tuple[Any, Any]] = None,
+                        agreed: bool = False) -> Callable[[], None]:
         """Check ``state_dict`` against this optimizer; return what loads it (no check left
-        to fail but the eager optimizer's own), cutting the buckets first as a compression
-        state saved with other buckets says (``PowerSGD``'s ``layout``)."""
+        to fail but the eager optimizer's own), cutting the buckets first as the state says
+        (``_load_plan``: ``PowerSGD``'s ``layout``, or ``"layout"``).
+
+        ``plan``: ``_load_plan``'s, when the caller made it already. Sharded and not
+        ``agreed`` (``load_state_dict``), every rank's checks are joined by one collective,
+        so every rank refuses alike, with the same message (``opt.load`` joins its own)."""
+        if self.shard is not None and not agreed and self.world_size > 1:
+            loader, error = None, None
+            try:
+                loader = self._checked_loader(state_dict, plan, agreed=True)
+            except Exception as exc:  # reported on every rank below
+                error = exc
+            _checkpoint.refuse_everywhere(self, error, "state_dict", "load_state_dict")
+            return loader
         check_groups(self.param_groups, self._built)
         eager, sharded = self._eager is not None, self.shard is not None
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
         position = {saved: i for i, saved in enumerate(saved_ids)}
         residuals = (self._checked_residuals(state_dict, position, self._bucketed)
                      if self._codec.error_feedback else {})
-        relayout = self._saved_buckets(state_dict.get("compression"))
+        foreign = self._foreign_residuals(state_dict)
+        relayout, pieces = plan if plan is not None else self._load_plan(state_dict)
         codec = self._codec if relayout is None else relayout[1]
         load_codec = codec.checked_loader(state_dict.get("compression"))
         rounds = state_dict.get("sync", {}).get("round", self._round) if self.sync else 0
@@ -157,9 +187,11 @@ class DataParallelState(CompiledState):
         if not eager:
             whole = {position[k]: v for k, v in state_dict["state"].items() if k in position}
             self._check_saved_hyper(saved_groups)
+            if sharded:  # every parameter's, on every rank: every rank decides alike
+                _shard.check_laid_out(self, whole)
+                whole = _shard.own_pieces_of(self, whole, saved_ids, pieces)
             if self._local is not None:
-                self._local.check_torch_state(
-                    _shard.own_pieces_of(self, whole, saved_ids) if sharded else whole)
+                self._local.check_torch_state(whole)
 
         def load() -> None:
             if relayout is not None:
@@ -168,21 +200,58 @@ class DataParallelState(CompiledState):
             if eager:
                 chosen = state_dict["state"]
                 if sharded:  # whole parameters, this rank's only
-                    own = set(_shard.piece_index(self._buckets))
-                    chosen = {k: v for k, v in chosen.items() if position.get(k) in own}
+                    chosen = {k: v for k, v in chosen.items() if position.get(k) in pieces}
                 self._eager.load_state_dict({"state": chosen, "param_groups": saved_groups})
                 self.param_groups = self._eager.param_groups
                 self.state = self._eager.state
             else:
                 if self._local is not None:
-                    self._load_units(saved_groups, _shard.own_pieces_of(self, whole, saved_ids)
-                                     if sharded else whole)
+                    self._load_units(saved_groups, whole)
                 self._adopt_groups(saved_groups)
             self._put_residuals(residuals)
             self._round = rounds
             load_codec()
             self._fresh = False
+            if foreign is not None and not self._warned_residuals:
+                self._warned_residuals = True
+                warnings.warn(foreign, stacklevel=5)
         return load
+
+    def _load_plan(self, state_dict: Dict[str, Any]) -> Tuple[Any, Optional[Dict[int, Any]]]:
+        """What loading ``state_dict`` will make of this optimizer's buckets: the buckets
+        (and the scheme bound to them) it cuts first, or None to keep them
+        (``_saved_buckets``); and, sharded, this rank's pieces then (global index ->
+        ``(start, stop, shape)``, ``shard.piece_index``), from which the state to read is
+        chosen."""
+        relayout = self._saved_buckets(state_dict)
+        if self.shard is None:
+            return relayout, None
+        if relayout is None:
+            return None, _shard.piece_index(self._buckets)
+        # Cut as ``_plan_units`` will cut them after the relayout: the same split.
+        _shard.attach(relayout[0], self.world_size, self.rank, self.shard, self.optimizer_class)
+        return relayout, _shard.piece_index(relayout[0])
+
+    def _foreign_residuals(self, state_dict: Dict[str, Any]) -> Optional[str]:
+        """The warning for a state_dict whose residuals (or compression state) another rank
+        saved (``"residuals_of"``), or None. A warning, not a refusal: the ranks that find
+        their own would go on into the next collective and wait there for the others."""
+        held = "residuals" in state_dict or "compression" in state_dict
+        saved = state_dict.get("residuals_of")
+        if not held or not isinstance(saved, dict) or self.world_size == 1 or (
+            saved.get("rank") == self.rank and saved.get("world_size") == self.world_size
+        ):
+            return None
+        what = " and ".join(f"state_dict[{k!r}]" for k in ("residuals", "compression")
+                            if k in state_dict)
+        return (
+            f"DataParallelOptimizer on rank {self.rank} of {self.world_size}: loaded the "
+            f"per-rank residuals of rank {saved.get('rank')} of {saved.get('world_size')} "
+            f"({what}): each rank keeps the error feedback of what it did not send, so this "
+            f"rank now holds another rank's, and the run drifts from one that kept its own "
+            f"(expected opt.save(path) / opt.load(path) on every rank, which keep each rank's "
+            f"own residuals, or each rank's own state_dict())"
+        )
 
     def _residuals(self) -> Dict[int, Tensor]:
         """Global index -> a copy of this rank's residual, shaped like the parameter."""
@@ -197,13 +266,23 @@ class DataParallelState(CompiledState):
                 if i in residuals:
                     b.residual[o:o + p.numel()].copy_(residuals[i].reshape(-1))
 
-    def _saved_buckets(self, compression: Any) -> Optional[Tuple[List[Bucket], Compression]]:
-        """The buckets (and the scheme bound to them) a compression state was saved with,
-        where they differ from this optimizer's; else None."""
+    def _saved_buckets(
+        self, state_dict: Dict[str, Any]
+    ) -> Optional[Tuple[List[Bucket], Compression]]:
+        """The buckets (and the scheme bound to them) a state was saved with, where they
+        differ from this optimizer's and it takes them; else None.
+
+        A compression state per bucket (PowerSGD's ``layout``) needs its buckets. The
+        ``"layout"`` of a scheme whose buckets change what is sent (TopK) is taken by a new
+        optimizer that would cut its buckets again after its first step anyway
+        (``rebuild_buckets``): it then reduces as the saved run did; others keep theirs."""
+        compression = state_dict.get("compression")
         layout = compression.get("layout") if isinstance(compression, dict) else None
+        where = "state_dict['compression']['layout']"
+        if layout is None and self._fresh and self._rebuild_pending:
+            layout, where = state_dict.get("layout"), "state_dict['layout']"
         if layout is None or self._reducer is None or layout == self.bucket_layout():
             return None
-        where = "state_dict['compression']['layout']"
         buckets = self._layout_buckets(layout, where)
         if self.shard is not None and not self._fresh:
             raise ValueError(

@@ -251,19 +251,27 @@ def two_optimizers_join(rank: int, world_size: int, path: str, nested: bool) -> 
     return out
 
 
-def load_inside_join(rank: int, world_size: int, path: str) -> str:
-    """``load()`` inside a Join block is refused at once, on every rank alike."""
-    model = torch.nn.Linear(2, 2)
-    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
-    opt.save(path)
-    try:
-        with Join([opt]):
-            opt.load(path)
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
+def load_inside_join(rank: int, world_size: int, path: str) -> Dict[str, str]:
+    """``load()``, and a sharded ``load_state_dict()`` (collectives), inside a Join block
+    are refused at once, on every rank alike."""
+    out = {}
+    for shard in (None, "flat"):
+        model = torch.nn.Linear(2, 2)
+        opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, shard=shard)
+        opt.save(path)
+        opt.consolidate_state_dict(to=None)
+        state = opt.state_dict()
+        calls = {"load": lambda: opt.load(path),
+                 "load_state_dict": lambda: opt.load_state_dict(state)}
+        for name, call in calls.items():
+            try:
+                with Join([opt]):
+                    call()
+                out[f"{shard}/{name}"] = "no error"
+            except RuntimeError as exc:
+                out[f"{shard}/{name}"] = str(exc)
         opt.close()
-    return "no error"
+    return out
 
 
 def changed_after_construction(rank: int, world_size: int) -> Dict[str, Any]:
@@ -352,4 +360,33 @@ def compiled_module(rank: int, world_size: int) -> Dict[str, Any]:
         out["container"] = f"{type(exc).__name__}: {exc}"
     opt.close()
     torch._dynamo.reset()
+    return out
+
+
+def untouched_grads_keep_overlapping(rank: int, world_size: int) -> Dict[str, Any]:
+    """A loop that leaves ``.grad`` alone keeps stepping buckets during backward from the
+    second step on, whatever the scheme: per options, whether the third step's buckets were
+    stepped during backward and whether the optimizer decided that the loop edits
+    gradients."""
+    from distopt.parallel import Cast, PowerSGD, TopK
+
+    out = {}
+    schemes = {"plain": {}, "flat": {"shard": "flat"}, "param": {"shard": "param"},
+               "topk": {"compression": TopK(0.5)}, "cast": {"compression": Cast(torch.bfloat16)},
+               "powersgd": {"compression": PowerSGD(rank=1, start_iter=2)},
+               "passes": {"backward_passes_per_step": 2}}
+    for name, options in schemes.items():
+        model = TinyLM()
+        opt = DataParallelOptimizer(torch.optim.AdamW, _groups(model), bucket_cap_mb=0.002,
+                                    **options, **ADAMW)
+        seen = []
+        for it in range(3):
+            for micro in range(options.get("backward_passes_per_step", 1)):
+                x, y = _batch(it, micro, rank)
+                F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            seen.append(opt._in_backward)
+            opt.step()
+            opt.zero_grad()
+        out[name] = {"in_backward": seen, "edited": opt._grads_edited}
+        opt.close()
     return out

@@ -78,8 +78,13 @@ def test_two_optimizers_under_join_with_save_inside(worlds, tmp_path, nested):
 
 
 def test_load_inside_join_is_refused_at_once(worlds, tmp_path):
-    for rank, message in enumerate(worlds.run(real_loops.load_inside_join, 2, str(tmp_path))):
-        assert message.startswith(f"Invalid load on rank {rank}: inside a Join block"), message
+    for rank, r in enumerate(worlds.run(real_loops.load_inside_join, 2, str(tmp_path))):
+        for shard in (None, "flat"):
+            assert r[f"{shard}/load"].startswith(
+                f"Invalid load on rank {rank}: inside a Join block"), r
+        assert r["None/load_state_dict"] == "no error"  # unsharded: local, no collective
+        assert r["flat/load_state_dict"].startswith(
+            f"Invalid load_state_dict on rank {rank}: with shard='flat' it is a collective"), r
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +132,11 @@ def test_compile_fullgraph_of_a_torch_container_names_the_fix(compiled):
 @pytest.fixture(scope="module")
 def compiled(worlds):
     return worlds.run(real_loops.compiled_module, 2)
+
+
+def test_a_loop_that_leaves_grads_alone_keeps_stepping_during_backward(worlds):
+    """The check behind item 1 sees no change where the loop makes none (no scheme writes
+    into a bucket after its reduction): every step after the first overlaps."""
+    for result in worlds.run(real_loops.untouched_grads_keep_overlapping, 2):
+        for name, seen in result.items():
+            assert seen == {"in_backward": [False, True, True], "edited": False}, name
