@@ -162,7 +162,8 @@ def version(tensor: Any) -> int:
 
     Needed by ``distopt.parallel`` to notice a ``.grad`` changed in place between backward
     and ``step()`` (``clip_grad_norm_``, ``zero_grad(set_to_none=False)``) after its bucket
-    was stepped during backward; torch exposes the autograd version counter only as
+    was reduced, and by ``distopt.local_optimizer`` to tell which parameters a step has
+    bumped already; torch exposes the autograd version counter only as
     ``Tensor._version``. Changes made through ``.data`` do not count.
     """
     return tensor._version

@@ -29,11 +29,13 @@ def _call_async(to: Union[rpc.WorkerInfo, str], func: Any, args: tuple) -> Futur
 
 def _wait_all(
     futures: Dict[str, Future]
-) -> Tuple[Dict[str, Any], Dict[str, str], List[BaseException]]:
-    """Wait for every future; returns (results, worker -> message, causes in worker order)."""
+) -> Tuple[Dict[str, Any], Dict[str, str], List[BaseException], Dict[str, str]]:
+    """Wait for every future; returns (results, worker -> message, causes in worker order,
+    worker -> what a failed step applied there, where the owner said)."""
     results: Dict[str, Any] = {}
     failures: Dict[str, str] = {}
     causes: List[BaseException] = []
+    applied: Dict[str, str] = {}
     for name, fut in futures.items():
         try:
             result = fut.wait()
@@ -44,9 +46,11 @@ def _wait_all(
         if isinstance(result, RemoteFailure):
             failures[name] = result.message
             causes.append(result.as_exception())
+            if result.applied is not None:
+                applied[name] = result.applied
         else:
             results[name] = result
-    return results, failures, causes
+    return results, failures, causes, applied
 
 
 def fan_out(
@@ -70,12 +74,12 @@ def fan_out(
             finished by then.
     """
     futures = {name: _call_async(to, func, args) for name, (to, func, args) in calls.items()}
-    results, failures, causes = _wait_all(futures)
+    results, failures, causes, applied = _wait_all(futures)
     if failures:
         if partial is not None:
             partial(results)
         succeeded = list(results)
         # The traceback keeps this frame: it must not keep the results (RRefs) alive.
         del results, futures
-        raise compose_error(action, failures, succeeded) from causes[0]
+        raise compose_error(action, failures, succeeded, applied) from causes[0]
     return results

@@ -11,6 +11,15 @@ the trainer.
 Each takes the locks of its parameters from ``distopt.locks`` and registers as their user;
 a compiled one that shares no lock with another is exclusive, which its trainer may step
 with no lock at all (``distopt.exclusive``).
+
+A step first checks every group's gradients against what the class takes (``gradient_rule``,
+``check_step``) and refuses, before any group steps, one that does not fit; then it steps
+the groups in order, recording how far it got, so that a failure part-way says exactly what
+changed (``describe_failure``). Every parameter it stepped has its autograd version counter
+bumped as torch.optim's in-place update bumps it (``bump_versions``): torch's fused kernels,
+this project's native kernels and flat buffers write without bumping it, and a backward pass
+that saved a parameter before another trainer's step must fail as torch's does, not run on
+the new values.
 """
 import abc
 import contextlib
@@ -23,9 +32,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from distopt import locks
+from distopt import _torch, locks
 from distopt.context import has_context
 from functional import (
     FLAT_CLASSES,
@@ -34,6 +44,7 @@ from functional import (
     to_torch_state_dict,
 )
 from functional import _native
+from functional._common import dtype_name, layout_name
 from functional._kernels import unscale_gradients
 from functional._state import (
     checked_state,
@@ -50,8 +61,12 @@ __all__ = [
     "EagerLocalOptimizer",
     "LocalOptimizer",
     "empty_sparse_gradient",
+    "bump_versions",
+    "check_step",
     "cuda_device_indices",
+    "gradient_rule",
     "live_by_id",
+    "refuse_misfit",
     "synchronize_devices",
 ]
 
@@ -77,6 +92,135 @@ def _lookup_native(grads_by_param: Dict[Tensor, Tensor], params: List[Tensor]) -
 #: ``[grads_by_param.get(p) for p in params]``: in one native op where it was built
 #: (``functional._native``; about 0.34 us a parameter less than the interpreter's loop).
 lookup_gradients = _lookup_native if _native.AVAILABLE else _lookup_script
+
+
+def _check_native(
+    params: List[Tensor], grads: List[Optional[Tensor]], kind: int
+) -> Tuple[int, List[int]]:
+    return torch.ops.distopt_flat.check_step(params, grads, kind)
+
+
+def _check_script(
+    params: List[Tensor], grads: List[Optional[Tensor]], kind: int
+) -> Tuple[int, List[int]]:
+    # TorchScript cannot read a version counter (``Tensor._version`` is Python's): 0 for
+    # each parameter that steps, and ``_bump_script`` bumps every one of them.
+    misfit = -1
+    before: List[int] = []
+    for i in range(len(params)):
+        g = grads[i]
+        if g is None:
+            before.append(-1)
+        else:
+            before.append(0)
+            p = params[i]
+            fits = False
+            if g.layout == torch.strided:
+                fits = kind != 1
+            elif g.layout == torch.sparse_coo:
+                fits = kind != 0
+            if misfit < 0 and (
+                not fits or not g.is_same_size(p) or g.dtype != p.dtype or g.device != p.device
+            ):
+                misfit = i
+    return misfit, before
+
+
+def _bump_native(params: List[Tensor], before: List[int]) -> None:
+    torch.ops.distopt_flat.bump_versions(params, before)
+
+
+def _bump_script(params: List[Tensor], before: List[int]) -> None:
+    with torch.no_grad():
+        for i in range(len(params)):
+            if before[i] >= 0:
+                p = params[i]
+                # An in-place no-op, which autograd counts as any in-place change.
+                p.as_strided_(p.size(), p.stride(), p.storage_offset())
+
+
+# A build of the native library older than these ops (another process's) has ``lookup``.
+_STEP_OPS = _native.AVAILABLE and hasattr(torch.ops.distopt_flat, "check_step")
+
+#: ``check_step(params, grads, kind)``, before a step: (the position of the first gradient
+#: that a class taking ``kind`` (``gradient_rule``) refuses for its layout, shape, dtype or
+#: device, or -1; for each parameter the step updates, its version counter, else -1). One
+#: native call for a group, where the library was built (``functional._native``).
+check_step = _check_native if _STEP_OPS else _check_script
+
+#: ``bump_versions(params, before)``, after the step: bump the version counter of each
+#: parameter it updated that it left as ``check_step`` found it, as torch.optim's in-place
+#: update bumps it: once, where torch's fused kernels, the native kernels or a flat buffer's
+#: kernel (which writes through the buffer) did not; foreach kernels bumped it already, as
+#: often as torch.optim's foreach and per-tensor steps do. Without the native library, a
+#: TorchScript loop that bumps every updated parameter once more.
+bump_versions = _bump_native if _STEP_OPS else _bump_script
+
+
+def _torch_optim_base(optimizer_class: type) -> Optional[type]:
+    """The torch.optim class whose ``step`` ``optimizer_class`` runs (itself, or a subclass
+    that keeps its step), or None for any other class."""
+    for base in inspect.getmro(optimizer_class):
+        if base is torch.optim.Optimizer or not base.__module__.startswith("torch.optim."):
+            continue
+        same_step = getattr(optimizer_class, "step", None) is getattr(base, "step", None)
+        return base if same_step else None
+    return None
+
+
+def gradient_rule(optimizer_class: type, weight_decay: Any = 0.0) -> Tuple[int, str]:
+    """Which gradients a step of ``optimizer_class`` takes, checked before any group steps.
+
+    Returns:
+        (kind, reason): kind 0 takes dense gradients only, 1 sparse COO ones only, 2 either
+        (a class that is not torch.optim's decides in its own step); the reason is what a
+        refusal says, in torch.optim's words. SGD and Adagrad take sparse gradients only
+        while the group's ``weight_decay`` is 0.
+    """
+    base = _torch_optim_base(optimizer_class)
+    name = optimizer_class.__name__
+    if base is None:
+        return 2, ""
+    if base is torch.optim.SparseAdam:
+        return 1, f"{name} does not support dense gradients"
+    if base in (torch.optim.SGD, torch.optim.Adagrad):
+        if float(weight_decay) != 0.0:
+            return 0, (f"{name} does not support sparse gradients with "
+                       f"weight_decay={weight_decay!r}")
+        return 2, ""
+    return 0, f"{name} does not support sparse gradients"
+
+
+def refuse_misfit(
+    param: Tensor, grad: Tensor, kind: int, index: int, group: int, owner: str, reason: str
+) -> None:
+    """Raise the refusal of ``grad`` (found by ``check_step``) for ``param``, parameter
+    ``index`` of param group ``group`` on ``owner``, before any group stepped there: a
+    RuntimeError for its kind (``reason``, from ``gradient_rule``), else ValueError."""
+    where = f"Invalid gradient of parameter {index} (param group {group}) on {owner}"
+    nothing = f"nothing was stepped on {owner}"
+    if grad.layout == torch.sparse_coo and kind == 0:
+        raise RuntimeError(f"{where}: sparse (expected dense: {reason}); {nothing}")
+    if grad.layout == torch.strided and kind == 1:
+        raise RuntimeError(f"{where}: dense (expected sparse: {reason}); {nothing}")
+    if grad.layout != torch.strided and grad.layout != torch.sparse_coo:
+        raise ValueError(
+            f"{where}: layout {layout_name(grad.layout)} (expected torch.strided or "
+            f"torch.sparse_coo); {nothing}"
+        )
+    if not grad.is_same_size(param):
+        raise ValueError(
+            f"{where}: shape {list(grad.shape)} (expected {list(param.shape)}, the "
+            f"parameter's); {nothing}"
+        )
+    if grad.dtype != param.dtype:
+        raise ValueError(
+            f"{where}: dtype {dtype_name(grad.dtype)} (expected {dtype_name(param.dtype)}, "
+            f"the parameter's); {nothing}"
+        )
+    raise ValueError(
+        f"{where}: device {grad.device} (expected {param.device}, the parameter's); {nothing}"
+    )
 
 
 def empty_sparse_gradient(param: Tensor) -> Tensor:
@@ -114,6 +258,8 @@ class LocalOptimizer(abc.ABC):
         optimizer_class: the class the user asked for (its state_dict format is used).
         trainer: (worker name, key) of the DistributedOptimizer that created this one, for
             ``distopt.exclusive.switch_to_locked``; None when no trainer can be switched.
+        group_numbers: the trainer's number of each local group (its param group index).
+        owner: this worker's name, for messages.
         locks: the parameters' distinct locks, in acquisition order.
         exclusive: whether its trainer may step it without the locks (``script_step``).
         to_revoke: the exclusive optimizers to switch to the locked path before this one
@@ -136,12 +282,17 @@ class LocalOptimizer(abc.ABC):
         global_indices: List[List[int]],
         optimizer_class: type,
         trainer: Optional[Tuple[str, int]],
+        group_numbers: Optional[List[int]] = None,
     ) -> None:
         self.group_params = group_params
         self.params = [p for ps in group_params for p in ps]
         self.global_indices = global_indices
         self.optimizer_class = optimizer_class
         self.trainer = trainer
+        self.group_numbers = (
+            list(group_numbers) if group_numbers is not None else list(range(len(group_params)))
+        )
+        self.owner = _this_worker()
         #: The CUDA devices of the parameters (``synchronize``).
         self.cuda_devices = cuda_device_indices(self.params)
         with locks.registry_lock:
@@ -182,6 +333,24 @@ class LocalOptimizer(abc.ABC):
         """``step_context``, where the parameters at positions ``empty[j]`` of local group
         ``j`` that the context gives no gradient (or that have no context here) step with
         ``empty_sparse_gradient``; unlocked."""
+
+    @abc.abstractmethod
+    def describe_failure(self, message: str, autograd_ctx_id: int) -> Tuple[str, str]:
+        """What the latest step in ``autograd_ctx_id``, which failed with ``message``
+        (``Type: message``), applied here; the caller holds the locks, or this is an
+        exclusive optimizer whose trainer waits for the answer.
+
+        Returns:
+            (the message, saying what changed where if the step failed part-way, and
+            ``"none"`` or ``"part"``: see ``distopt.errors.DistributedOptimizerError``).
+        """
+
+    def _groups_text(self, groups: Sequence[int]) -> str:
+        """``param group 0 (parameters [0, 2])`` for local groups ``groups``."""
+        numbers = ", ".join(str(self.group_numbers[j]) for j in groups)
+        label = "param group" if len(groups) == 1 else "param groups"
+        indices = sorted(i for j in groups for i in self.global_indices[j])
+        return f"{label} {numbers} (parameters {indices})"
 
     @abc.abstractmethod
     def apply_changes(self, changes: Sequence[Change]) -> None:
@@ -279,7 +448,9 @@ class _FunctionalGroups(torch.nn.Module):
     """Functional optimizers, one per param group, stepped from an autograd context id.
 
     Scripted, this is the whole compiled step: ``distopt.exclusive.script_step`` calls it
-    with no Python on the owner.
+    with no Python on the owner. A step from an autograd context checks every group's
+    gradients first (``kinds``), steps the groups in order and bumps the version counters of
+    the parameters it stepped; it records how far it got for ``describe_failure``.
 
     Args:
         functional_cls: the functional optimizer class.
@@ -287,7 +458,23 @@ class _FunctionalGroups(torch.nn.Module):
         group_kwargs: the constructor's keyword arguments for each group.
         args: positional arguments for ``functional_cls``, after the parameters.
         flat: put each group's small parameters into flat buffers (elementwise classes).
+
+    Attributes:
+        owner, group_numbers, indices: for messages: this worker's name, the trainer's
+            number of each group and its parameters' global indices (set by the owner).
+        kinds, kind_reasons: each group's ``gradient_rule``.
+        attempt, checked, stepped: the latest step's context id, whether its gradients
+            passed the check, and how many groups it stepped.
     """
+
+    owner: str
+    group_numbers: List[int]
+    indices: List[List[int]]
+    kinds: List[int]
+    kind_reasons: List[str]
+    attempt: int
+    checked: bool
+    stepped: int
 
     def __init__(
         self,
@@ -309,6 +496,14 @@ class _FunctionalGroups(torch.nn.Module):
         #: Why ``step_exclusive`` refuses to step ("" while it may): set once the optimizer
         #: stops being exclusive or is released, for a trainer that missed the switch.
         self.refusal = ""
+        self.owner = "this worker"
+        self.group_numbers = list(range(len(group_params)))
+        self.indices = [list(range(len(ps))) for ps in group_params]
+        self.kinds = [2 for _ in group_params]
+        self.kind_reasons = ["" for _ in group_params]
+        self.attempt = -1
+        self.checked = False
+        self.stepped = 0
 
     def forward(self, autograd_ctx_id: int) -> None:
         self.step_context(autograd_ctx_id)
@@ -325,14 +520,13 @@ class _FunctionalGroups(torch.nn.Module):
         """``step_with_empty`` without the locks, in a context this worker holds."""
         if self.refusal != "":
             raise RuntimeError(self.refusal)
-        self._step_gradients(dist_autograd.get_gradients(autograd_ctx_id), empty)
+        self._step_gradients(autograd_ctx_id, dist_autograd.get_gradients(autograd_ctx_id), empty)
 
     @torch.jit.export
     def step_context(self, autograd_ctx_id: int) -> None:
         """Step every group with the gradients the context holds; others are skipped."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        for j in range(len(self.optims)):
-            self.optims[j].step(lookup_gradients(grads_by_param, self.params[j]))
+        self._step_checked(autograd_ctx_id, self._gradients(grads_by_param))
 
     @torch.jit.export
     def step_with_empty(
@@ -347,18 +541,47 @@ class _FunctionalGroups(torch.nn.Module):
         grads_by_param = torch.jit.annotate(Dict[Tensor, Tensor], {})
         if in_context:
             grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        self._step_gradients(grads_by_param, empty)
+        self._step_gradients(autograd_ctx_id, grads_by_param, empty)
 
     def _step_gradients(
-        self, grads_by_param: Dict[Tensor, Tensor], empty: List[List[int]]
+        self, autograd_ctx_id: int, grads_by_param: Dict[Tensor, Tensor], empty: List[List[int]]
     ) -> None:
+        grads = self._gradients(grads_by_param)
         for j in range(len(self.optims)):
-            params = self.params[j]
-            grads = lookup_gradients(grads_by_param, params)
             for k in empty[j]:
-                if grads[k] is None:
-                    grads[k] = empty_sparse_gradient(params[k])
-            self.optims[j].step(grads)
+                if grads[j][k] is None:
+                    grads[j][k] = empty_sparse_gradient(self.params[j][k])
+        self._step_checked(autograd_ctx_id, grads)
+
+    def _gradients(self, grads_by_param: Dict[Tensor, Tensor]) -> List[List[Optional[Tensor]]]:
+        """Each group's gradients in the context (None where it holds none)."""
+        grads = torch.jit.annotate(List[List[Optional[Tensor]]], [])
+        for j in range(len(self.optims)):
+            grads.append(lookup_gradients(grads_by_param, self.params[j]))
+        return grads
+
+    def _step_checked(self, autograd_ctx_id: int, grads: List[List[Optional[Tensor]]]) -> None:
+        """Refuse, before any group steps, a gradient its group cannot take; then step the
+        groups in order, bumping the version counters of the parameters each stepped."""
+        self.attempt = autograd_ctx_id
+        self.checked = False
+        self.stepped = 0
+        befores = torch.jit.annotate(List[List[int]], [])
+        for j in range(len(self.optims)):
+            k, before = check_step(self.params[j], grads[j], self.kinds[j])
+            if k >= 0:
+                g = grads[j][k]
+                if g is not None:
+                    refuse_misfit(
+                        self.params[j][k], g, self.kinds[j], self.indices[j][k],
+                        self.group_numbers[j], self.owner, self.kind_reasons[j],
+                    )
+            befores.append(before)
+        self.checked = True
+        for j in range(len(self.optims)):
+            self.optims[j].step(grads[j])
+            bump_versions(self.params[j], befores[j])
+            self.stepped = j + 1
 
     @torch.jit.export
     def step_group(self, group: int, gradients: List[Optional[Tensor]]) -> None:
@@ -562,6 +785,7 @@ class CompiledLocalOptimizer(CompiledSteps, LocalOptimizer):
             optimizer on the locked path.
         flat: put each group's small parameters into flat buffers, for the elementwise
             classes (``functional.flatten_parameters``).
+        group_numbers: the trainer's number of each local group; None: 0, 1, ...
 
     Attributes:
         module: the scripted module (it holds its own copies of the functional optimizers).
@@ -570,16 +794,69 @@ class CompiledLocalOptimizer(CompiledSteps, LocalOptimizer):
     compiled = True
 
     def __init__(self, *steps: Any, trainer: Optional[Tuple[str, int]] = None,
-                 flat: bool = False) -> None:
+                 flat: bool = False, group_numbers: Optional[List[int]] = None) -> None:
         """``steps``: ``CompiledSteps``'s arguments up to ``kwargs``."""
         CompiledSteps.__init__(self, *steps, flat=flat)
         # The scripted method itself: no Python frame between the step RPC and TorchScript.
         self.step_context = self.module.step_context
         LocalOptimizer.__init__(self, self.group_params, self.global_indices,
-                                self.optimizer_class, trainer)
+                                self.optimizer_class, trainer, group_numbers)
+        self.module.owner = self.owner
+        self.module.group_numbers = self.group_numbers
+        self.module.indices = self.global_indices
+        self._set_gradient_rules()
+
+    def _set_gradient_rules(self) -> None:
+        """Each group's ``gradient_rule`` on the module, for its weight decay now (SGD and
+        Adagrad take sparse gradients without it only)."""
+        rules = []
+        for j in range(len(self.group_params)):
+            weight_decay = 0.0
+            if _torch_optim_base(self.optimizer_class) in (torch.optim.SGD, torch.optim.Adagrad):
+                weight_decay = getattr(self.module.optims[j], "weight_decay", 0.0)
+            rules.append(gradient_rule(self.optimizer_class, weight_decay))
+        self.module.kinds = [kind for kind, _ in rules]
+        self.module.kind_reasons = [reason for _, reason in rules]
+
+    def apply_changes(self, changes: Sequence[Change]) -> None:
+        CompiledSteps.apply_changes(self, changes)
+        if any(name == "weight_decay" for _, name, _ in changes):
+            self._set_gradient_rules()
+
+    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
+        CompiledSteps.set_hyperparameter(self, group, name, value)
+        if name == "weight_decay":
+            self._set_gradient_rules()
+
+    def load_torch_state(
+        self, hyperparameters: List[Dict[str, Any]], state: Dict[int, Dict[str, Any]]
+    ) -> None:
+        CompiledSteps.load_torch_state(self, hyperparameters, state)
+        self._set_gradient_rules()
 
     def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
         self.module.step_with_empty(autograd_ctx_id, has_context(autograd_ctx_id), empty)
+
+    def describe_failure(self, message: str, autograd_ctx_id: int) -> Tuple[str, str]:
+        """The scripted step's record: refused before any group stepped (the refusal says
+        so), or the groups stepped before the one that raised, which is unchanged if its
+        functional class's own checks refused (they run before any change) and partly
+        stepped if a kernel failed."""
+        module, n = self.module, len(self.group_params)
+        if module is None or module.attempt != autograd_ctx_id or not module.checked:
+            return message, "none"
+        j = module.stepped
+        if j >= n:
+            return f"{message} (raised after every param group on {self.owner} stepped)", "part"
+        said = []
+        if j > 0:
+            said.append(f"{self._groups_text(range(j))} stepped")
+        said.append(f"{self._groups_text([j])} raised this, unchanged if its own checks "
+                    f"refused the step, else partly stepped")
+        if j + 1 < n:
+            said.append(f"{self._groups_text(range(j + 1, n))} not stepped")
+        message = _global_indices(message, self.global_indices[j])
+        return f"{message} (part-way through the step on {self.owner}: {'; '.join(said)})", "part"
 
     def defaults(self) -> Optional[Dict[str, Any]]:
         return None
@@ -606,6 +883,7 @@ class EagerLocalOptimizer(LocalOptimizer):
         args: positional arguments for ``optim_cls``, after the param groups.
         kwargs: keyword arguments for ``optim_cls``.
         trainer: (worker name, key) of the creating DistributedOptimizer, or None.
+        group_numbers: the trainer's number of each local group; None: 0, 1, ...
 
     Attributes:
         optim: the torch.optim optimizer.
@@ -620,10 +898,17 @@ class EagerLocalOptimizer(LocalOptimizer):
         args: tuple,
         kwargs: Dict[str, Any],
         trainer: Optional[Tuple[str, int]] = None,
+        group_numbers: Optional[List[int]] = None,
     ) -> None:
         groups = [{"params": ps, **options} for ps, options in zip(group_params, group_options)]
         self.optim: Any = optim_cls(groups, *args, **kwargs)
-        super().__init__(group_params, global_indices, optim_cls, trainer)
+        super().__init__(group_params, global_indices, optim_cls, trainer, group_numbers)
+        # The latest step's record for ``describe_failure``: its context id, whether its
+        # gradients passed the check, and the version counters before it.
+        self._attempt = -1
+        self._checked = False
+        self._before: List[int] = []
+        self._stepping: List[int] = []
 
     def step_context(
         self,
@@ -632,19 +917,55 @@ class EagerLocalOptimizer(LocalOptimizer):
         in_context: bool = True,
     ) -> None:
         """Step with the context's gradients; ``empty`` and ``in_context`` as in
-        ``step_with_empty``."""
+        ``step_with_empty``. Gradients are checked first, and parameters the class stepped
+        without bumping their version counters (a fused torch.optim step) get one bump."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id) if in_context else {}
+        grads = [[grads_by_param.get(p) for p in params] for params in self.group_params]
+        for j, positions in enumerate(empty or []):
+            for k in positions:
+                if grads[j][k] is None:
+                    grads[j][k] = empty_sparse_gradient(self.group_params[j][k])
+        self._attempt, self._checked = autograd_ctx_id, False
+        for j, (params, gs) in enumerate(zip(self.group_params, grads)):
+            kind, reason = gradient_rule(
+                self.optimizer_class, self.optim.param_groups[j].get("weight_decay", 0.0)
+            )
+            k = check_step(params, gs, kind)[0]
+            if k >= 0:
+                refuse_misfit(params[k], gs[k], kind, self.global_indices[j][k],
+                              self.group_numbers[j], self.owner, reason)
+        self._checked = True
+        flat = [g for gs in grads for g in gs]
+        self._stepping = [k for k, g in enumerate(flat) if g is not None]
+        self._before = [_torch.version(p) for p in self.params]
         try:
-            for p in self.params:
-                p.grad = grads_by_param.get(p)
-            for params, positions in zip(self.group_params, empty or []):
-                for k in positions:
-                    if params[k].grad is None:
-                        params[k].grad = empty_sparse_gradient(params[k])
+            for p, g in zip(self.params, flat):
+                p.grad = g
             self.optim.step()
         finally:
             for p in self.params:
                 p.grad = None
+        for k in self._stepping:
+            if _torch.version(self.params[k]) == self._before[k]:
+                torch.autograd.graph.increment_version(self.params[k])
+
+    def describe_failure(self, message: str, autograd_ctx_id: int) -> Tuple[str, str]:
+        """Which parameters the failed step changed in place, by their version counters (a
+        torch.optim step is one call: its progress through the groups is not seen)."""
+        if self._attempt != autograd_ctx_id or not self._checked:
+            return message, "none"
+        flat = [i for indices in self.global_indices for i in indices]
+        changed = [
+            flat[k] for k in self._stepping if _torch.version(self.params[k]) != self._before[k]
+        ]
+        if not changed:
+            return message, "none"
+        unchanged = [flat[k] for k in self._stepping if flat[k] not in changed]
+        said = f"parameters {sorted(changed)} changed in place"
+        if unchanged:
+            said += f", parameters {sorted(unchanged)} did not"
+        return (f"{message} (part-way through the step on {self.owner}: {said}, by their "
+                f"autograd version counters)", "part")
 
     def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
         self.step_context(autograd_ctx_id, empty, has_context(autograd_ctx_id))
@@ -722,12 +1043,23 @@ class EagerLocalOptimizer(LocalOptimizer):
 
 
 def _global_indices(message: str, indices: List[int]) -> str:
-    """``message`` with a group's local ``state[k]`` / ``params[k]`` named by global index."""
+    """``message`` with a group's local ``state[k]`` / ``params[k]`` / ``gradients[k]``
+    named by global index."""
     return re.sub(
-        r"\b(state|params)\[(\d+)\]",
-        lambda m: f"{m.group(1)}[{indices[int(m.group(2))]}]",
+        r"\b(state|params|gradients)\[(\d+)\]",
+        lambda m: (f"{m.group(1)}[{indices[int(m.group(2))]}]"
+                   if int(m.group(2)) < len(indices) else m.group(0)),
         message,
     )
+
+
+def _this_worker() -> str:
+    """This worker's name, for messages ("this worker" outside an RPC world: a local
+    optimizer built directly, as the data-parallel steps' and tests' are)."""
+    try:
+        return rpc.get_worker_info().name
+    except RuntimeError:  # RPC has not been initialized
+        return "this worker"
 
 
 def _closed_step(autograd_ctx_id: int, *more: Any) -> None:

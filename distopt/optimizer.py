@@ -17,7 +17,7 @@ from torch import Tensor
 from distopt import _torch, checkpoint, clipping, exclusive, owner, state
 from distopt.arguments import check_arguments, check_optimizer_class
 from distopt.context import live_context
-from distopt.errors import DistributedOptimizerError
+from distopt.errors import DistributedOptimizerError, compose_error
 from distopt.fanout import Call, fan_out
 from distopt.layout import Layout, OwnerPart
 from distopt.param_groups import (
@@ -66,9 +66,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     number of trainers, each with its own DistributedOptimizer over the same parameters,
     lose no update, while optimizers over disjoint parameters step in parallel. As with
     torch's version, nothing orders one trainer's forward, backward and step against
-    another's. A compiled local optimizer that shares no parameter with another on its
-    owner needs no lock there: it steps through a TorchScript RPC, without the owner's GIL,
-    until another optimizer over its parameters is created (see :mod:`distopt.exclusive`).
+    another's, and a step bumps the autograd version counter of every parameter it updates,
+    as torch.optim's does: a backward pass whose forward saved a parameter on its owner
+    before another trainer stepped it raises autograd's "modified by an inplace operation"
+    error instead of running on the new values. A compiled local optimizer that shares no
+    parameter with another on its owner needs no lock there: it steps through a TorchScript
+    RPC, without the owner's GIL, until another optimizer over its parameters is created
+    (see :mod:`distopt.exclusive`).
     One DistributedOptimizer runs one owner-facing operation (step, state_dict, save,
     clipping, ...) at a time; calls from several threads wait for each other.
 
@@ -174,14 +178,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             calls = {
                 name: (info, owner.new_compiled_local_optimizer,
                        (functional_cls, optimizer_class, specs(parts), call_args, call_kwargs,
-                        trainer, flat))
+                        trainer, flat, list(parts)))
                 for name, (info, parts) in by_owner.items()
             }
         else:
             logger.info("%s runs eagerly on its owners (no functional stand-in)", optimizer_class)
             calls = {
                 name: (info, owner.new_eager_local_optimizer,
-                       (optimizer_class, specs(parts), args, kwargs, trainer))
+                       (optimizer_class, specs(parts), args, kwargs, trainer, list(parts)))
                 for name, (info, parts) in by_owner.items()
             }
         results = fan_out(
@@ -281,7 +285,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ValueError: no such context is alive on this worker, a hyper-parameter that
                 cannot change was changed, or ``param_groups`` were edited in a way the
                 owners cannot follow (all checked before any owner is contacted).
-            DistributedOptimizerError: some owners failed, or could not be reached.
+            DistributedOptimizerError: some owners failed, or could not be reached. An
+                owner refuses a gradient its class cannot take (a sparse one under a dense
+                class, one of another shape or dtype than its parameter, ...) before any of
+                its groups steps; a failure part-way through an owner's step says which
+                groups (or, for an eager class, which parameters) it changed. ``applied``
+                and the error's last line say what each owner applied.
         """
         with self._lock, profiler_range("distopt.DistributedOptimizer.step"):
             check_groups(self.param_groups, self._built)
@@ -321,7 +330,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     args = (part.id, context_id)
                 calls[part.name] = (part.info, owner.step_local_optimizer, args)
-            fan_out("step", calls)
+            try:
+                fan_out("step", calls)
+            except DistributedOptimizerError as exc:
+                described = _described_step_error(exc, calls, self._owners, context_id)
+                raise described from exc.__cause__
             for g, values in changes.items():
                 self._sent[g].update({k: snapshot(v) for k, v in values.items()})
 
@@ -473,6 +486,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # every key of its defaults.
         required = layout.hyper_keys if layout.compiled else list(self.defaults)
         return TrainerGroups(self.param_groups, self._sent, required)
+
+
+def _described_step_error(
+    exc: DistributedOptimizerError,
+    calls: Dict[str, Call],
+    parts: List[OwnerPart],
+    context_id: int,
+) -> DistributedOptimizerError:
+    """``exc``, a failed step, with each failed exclusive step (a TorchScript RPC, which
+    cannot say what it applied) described by its owner (``owner.describe_step_failure``, one
+    parallel round); an owner that cannot be asked stays undescribed."""
+    by_name = {part.name: part for part in parts}
+    scripted = (exclusive.script_step, exclusive.script_step_with_empty)
+    asks = {
+        name: (calls[name][0], owner.describe_step_failure,
+               (by_name[name].id, context_id, message))
+        for name, message in exc.failures.items()
+        if name in calls and calls[name][1] in scripted and name not in exc.applied
+    }
+    if not asks:
+        return exc
+    described: Dict[str, Any] = {}  # those that answered, if some could not
+    try:
+        described = fan_out("step failure description", asks, partial=described.update)
+    except DistributedOptimizerError as failed:
+        logger.warning("could not ask every owner what its failed step applied: %s", failed)
+    failures, applied = dict(exc.failures), dict(exc.applied)
+    for name, (message, what) in described.items():
+        failures[name], applied[name] = message, what
+    return compose_error("step", failures, exc.succeeded, applied)
 
 
 def _local_positions(part: OwnerPart, wanted: Set[int]) -> Optional[List[List[int]]]:

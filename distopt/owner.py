@@ -2,7 +2,9 @@
 
 Every locked step of every local optimizer, compiled or eager (``distopt.local_optimizer``),
 goes through ``step_local_optimizer``: take the parameters' locks (``distopt.locks``), apply
-any hyper-parameter changes the trainer piggybacked, make one call, release.
+any hyper-parameter changes the trainer piggybacked, make one call, release. A step that
+fails says what it applied here (``LocalOptimizer.describe_failure``); for a failed
+exclusive step, which runs no Python here, the trainer asks ``describe_step_failure``.
 
 A compiled optimizer that shares no lock with another is exclusive: its trainer steps it
 with ``distopt.exclusive.script_step``, no Python and no lock here. Creating an optimizer
@@ -17,7 +19,12 @@ from torch import Tensor
 
 from distopt import exclusive
 from distopt.context import has_context
-from distopt.errors import DistributedOptimizerError, RemoteFailure, returns_failure
+from distopt.errors import (
+    DistributedOptimizerError,
+    RemoteFailure,
+    exception_message,
+    returns_failure,
+)
 from distopt.fanout import fan_out
 from distopt.local_optimizer import (
     Change,
@@ -64,6 +71,7 @@ def new_compiled_local_optimizer(
     kwargs: Dict[str, Any],
     trainer: Optional[Tuple[str, int]] = None,
     flat: bool = False,
+    group_numbers: Optional[List[int]] = None,
 ) -> Tuple[rpc.RRef, Dict[str, Any]]:
     """RPC target: compile functional optimizers, one per group, over the local parameters.
 
@@ -76,6 +84,7 @@ def new_compiled_local_optimizer(
         trainer: (worker name, key) of the creating DistributedOptimizer; None keeps the
             new optimizer on the locked path.
         flat: put the small parameters into flat buffers (``functional.flatten_parameters``).
+        group_numbers: the trainer's number of each spec's group, for messages; None: 0, 1...
 
     Returns:
         (an RRef to the new ``CompiledLocalOptimizer``, its ``describe()``), or a
@@ -86,6 +95,7 @@ def new_compiled_local_optimizer(
     local = CompiledLocalOptimizer(
         functional_cls, optimizer_class, group_params, global_indices,
         [options for _, _, options in specs], args, kwargs, trainer=trainer, flat=flat,
+        group_numbers=group_numbers,
     )
     _revoke_exclusive(local)
     script = rpc.RRef(local.module, exclusive.ExclusiveStep) if local.exclusive else None
@@ -99,11 +109,13 @@ def new_eager_local_optimizer(
     args: tuple,
     kwargs: Dict[str, Any],
     trainer: Optional[Tuple[str, int]] = None,
+    group_numbers: Optional[List[int]] = None,
 ) -> Tuple[rpc.RRef, Dict[str, Any]]:
     """RPC target: construct a torch.optim optimizer over the local param groups.
 
     An eager optimizer is never exclusive, but it ends the exclusivity of those it shares
-    locks with, as a compiled one does.
+    locks with, as a compiled one does. ``group_numbers``: as for
+    ``new_compiled_local_optimizer``.
 
     Returns:
         (an RRef to the new ``EagerLocalOptimizer``, its ``describe()``), or a
@@ -112,7 +124,7 @@ def new_eager_local_optimizer(
     group_params, global_indices = _local_groups(specs)
     local = EagerLocalOptimizer(
         optim_cls, group_params, global_indices, [options for _, _, options in specs],
-        tuple(args), kwargs, trainer,
+        tuple(args), kwargs, trainer, group_numbers,
     )
     _revoke_exclusive(local)
     return rpc.RRef(local), {**local.describe(), "id": local.id, "script": None}
@@ -189,8 +201,9 @@ def step_local_optimizer(
             ``distopt.local_optimizer.empty_sparse_gradient``).
 
     Returns:
-        None, or a ``RemoteFailure``.
+        None, or a ``RemoteFailure`` saying what the step applied here (``applied``).
     """
+    local: Optional[LocalOptimizer] = None
     try:
         if isinstance(optimizer, int):
             local = live_by_id.get(optimizer)
@@ -205,19 +218,43 @@ def step_local_optimizer(
                 try:
                     local.apply_changes(changes)
                 except Exception as exc:  # reported even when this owner has no gradients
-                    return RemoteFailure.from_exception(exc)
+                    return RemoteFailure.from_exception(exc, applied="none")
             local.synchronize()  # the backward pass's gradients are complete
-            if empty:
-                local.step_with_empty(autograd_ctx_id, empty)
-            else:
-                local.step_context(autograd_ctx_id)
+            try:
+                if empty:
+                    local.step_with_empty(autograd_ctx_id, empty)
+                else:
+                    local.step_context(autograd_ctx_id)
+            except Exception as exc:
+                if not empty and not has_context(autograd_ctx_id):
+                    return None  # see below
+                # Under the locks: no other step can have changed the record.
+                message, applied = local.describe_failure(exception_message(exc), autograd_ctx_id)
+                return RemoteFailure.from_exception(exc, applied, message)
             local.synchronize()  # the update is complete before the reply
         return None
     except Exception as exc:
         # Asked only after a failure (one C++ call): an owner outside the context skips.
         if not empty and not has_context(autograd_ctx_id):
             return None
-        return RemoteFailure.from_exception(exc)
+        return RemoteFailure.from_exception(exc, applied="none" if local is None else None)
+
+
+def describe_step_failure(
+    optimizer_id: int, autograd_ctx_id: int, message: str
+) -> Tuple[str, str]:
+    """RPC target: what an exclusive step (``distopt.exclusive.script_step``) that failed
+    with ``message`` applied here: ``LocalOptimizer.describe_failure``'s (message, applied).
+
+    Its trainer asks before any other operation of that optimizer (it holds the
+    optimizer's lock meanwhile), so the scripted module's record is still that step's, or,
+    when the step was refused before it began (no longer exclusive, released), an older
+    one, which ``describe_failure`` tells apart by its context id.
+    """
+    local = live_by_id.get(optimizer_id)
+    if local is None:  # released: its unlocked steps are refused before they begin
+        return message, "none"
+    return local.describe_failure(message, autograd_ctx_id)
 
 
 def release_local_optimizer(optimizer_rref: rpc.RRef) -> None:

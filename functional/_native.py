@@ -5,6 +5,10 @@ gradient and that each member still views the buffer, copy the gradients into th
 gradient buffer) and ``torch.ops.distopt_flat.lookup`` an owner's per-parameter lookups in
 an autograd context's gradients, in C++ instead of the TorchScript interpreter: tens of
 nanoseconds a parameter instead of about a microsecond (measured in ``benchmarks/``).
+``check_step`` and ``bump_versions`` serve an owner's step (``distopt.local_optimizer``):
+every gradient checked, and each parameter's version counter read, before any group steps;
+afterwards the counter of each stepped parameter that the kernel left as it was bumped, as
+torch.optim's in-place update bumps it.
 
 ``torch.ops.distopt_kernels.*`` (``csrc/elementwise_ops.cpp``) are one fused CPU kernel per
 algorithm that torch has none for (Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam, ASGD and

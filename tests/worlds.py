@@ -352,36 +352,62 @@ def spawned(*targets: Tuple[Callable[..., Any], tuple]) -> Iterator[List[Any]]:
                 p.join()
 
 
+#: How long the trainer of an RPC world waits for its workers in ``init_rpc`` (torch's own
+#: bound there is its process group's, 24 days), and how many times a world that did not form
+#: is started afresh on a new port (another process may have taken the free port first).
+RPC_SETUP_S = 60.0
+RPC_SETUP_TRIES = 2
+
+
 @contextlib.contextmanager
 def rpc_trainer(worker: Callable[..., Any], workers: int, options: Callable[[int], Any],
                 *args: Any) -> Iterator[List[str]]:
     """``workers`` processes running ``worker(rank, world_size, port, *args)`` (each joins
     the RPC world as "worker<rank>" and serves until shutdown) and this process their
     trainer, rank 0, with ``options(port)``'s backend options and one intra-op thread while
-    the world lasts; yields the workers' names, then shuts the world down."""
+    the world lasts; yields the workers' names, then shuts the world down. A world that has
+    not formed within ``RPC_SETUP_S`` is killed and started again on another port, up to
+    ``RPC_SETUP_TRIES`` times in all; then the test fails, saying so."""
     import torch
     import torch.distributed.rpc as rpc
+    import torch.distributed.rpc.constants as rpc_constants
 
     world_size = workers + 1
-    port = free_port()
-    targets = [(worker, (rank, world_size, port, *args)) for rank in range(1, world_size)]
     threads = torch.get_num_threads()
-    with spawned(*targets) as procs:
-        torch.set_num_threads(1)
-        try:
+    for attempt in range(1, RPC_SETUP_TRIES + 1):
+        port = free_port()
+        targets = [(worker, (rank, world_size, port, *args)) for rank in range(1, world_size)]
+        with spawned(*targets) as procs:
+            torch.set_num_threads(1)
             try:
-                rpc.init_rpc("trainer", rank=0, world_size=world_size,
-                             rpc_backend_options=options(port))
-            except BaseException:
-                for p in procs:
-                    p.kill()
-                raise
-            try:
-                yield [f"worker{rank}" for rank in range(1, world_size)]
+                # Only the trainer's group is bounded: the workers wait in their shutdown
+                # barrier, on theirs, for as long as the tests run.
+                default = rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT
+                rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = datetime.timedelta(
+                    seconds=RPC_SETUP_S)
+                try:
+                    rpc.init_rpc("trainer", rank=0, world_size=world_size,
+                                 rpc_backend_options=options(port))
+                except BaseException as exc:
+                    for p in procs:
+                        p.kill()
+                    if attempt == RPC_SETUP_TRIES or not isinstance(exc, RuntimeError):
+                        raise RuntimeError(
+                            f"the RPC world of {world_size} processes did not form (try "
+                            f"{attempt} of {RPC_SETUP_TRIES}, port {port}, "
+                            f"{RPC_SETUP_S:.0f} s each): {exc}") from exc
+                    sys.stderr.write(f"RPC world on port {port} did not form ({exc}); "
+                                     f"starting it again on another port\n")
+                    continue
+                finally:
+                    rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = default
+                try:
+                    yield [f"worker{rank}" for rank in range(1, world_size)]
+                finally:
+                    rpc.shutdown()
+                return
             finally:
-                rpc.shutdown()
-        finally:
-            torch.set_num_threads(threads)
+                torch.set_num_threads(threads)
 
 
 class Job:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from distopt._torch import all_gather_flat
+from distopt._torch import all_gather_flat, private_group
 from distopt.arguments import check_bool
 from distopt.parallel import buffers as _buffers
 from distopt.parallel.powersgd import PowerSGD
@@ -60,6 +60,28 @@ _WHAT = {_BUFFERS: "broadcast the module's buffers",
 #: rank shadows that optimizer (``Join([opt1, opt2])``: rounds of both, in any order).
 _OPTIMIZERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _TAGS = itertools.count()
+
+
+#: The default group, and the group Join's collectives take for optimizers over it.
+_SHARED_GROUP: Dict[str, Any] = {}
+
+
+def group_for(process_group: Any) -> Any:
+    """The group of Join's collectives for the DataParallelOptimizers over
+    ``process_group``: that group when one was given (it is the optimizer's alone), else one
+    private group of every rank, made at the first ``join_hook`` over the default group
+    (as every rank builds its Join: a collective made in the same order everywhere) and
+    shared by every later one, for the life of the default group. Not
+    the default group itself: torch's Join would then take a DDP model beside these
+    optimizers, whose join hook does not pair with their rounds."""
+    if process_group is not None:
+        return process_group
+    world = dist.group.WORLD
+    held = _SHARED_GROUP.get("world")
+    if held is None or held[0] is not world:
+        held = (world, private_group())
+        _SHARED_GROUP["world"] = held
+    return held[1]
 
 
 def register(opt: Any) -> None:
@@ -102,6 +124,7 @@ def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
             f"divide_by_initial_world_size=True, or another compression)"
         )
     opt._join_divide = divide
+    group_for(opt.process_group)  # every rank builds its Join alike: made here, if new
     return _JoinHook(opt)
 
 
@@ -242,6 +265,11 @@ def _round(opt: Any, plan: int) -> Round:
             f"DataParallelOptimizers built in the same order on every rank, each given to "
             f"Join, and none closed before the Join block ends)"
         )
+    if target._closed:
+        raise RuntimeError(
+            f"Invalid Join: DataParallelOptimizer number {tag} was closed on rank {opt.rank} "
+            f"while the other ranks still train (expected close() after the Join block)"
+        )
     step = Round(plan_of_all, max(active), len(active), target)
     target._join_source = step.source
     if step.plan == _REDUCE | _IN_BACKWARD and step.active < target.world_size:
@@ -329,14 +357,17 @@ def _shadow_reduction(opt: Any, divisor: Optional[int], in_backward: bool) -> No
     finally:
         if in_backward:
             opt._reducer.reset()
+            opt._state_generation += 1  # stepped during the shadowed backward
 
 
 def _shadow_step(opt: Any, scaling: Optional[Any]) -> None:
     """A joined rank's share of the active ranks' ``step()``, on what they sent."""
     try:
         opt._apply_changes()
+        opt._agree_grad_edits([])  # as the active ranks decide, after this packet
         opt._step_all(scaling)
         opt._last_step_unscaled = scaling is None
         opt._fresh = False
     finally:
         opt._reducer.reset()
+        opt._state_generation += 1

@@ -377,6 +377,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             )
         # Before anything is completed or stepped: restored, the next step() finishes this one.
         check_groups(self.param_groups, self._built)
+        self._check_params_unchanged()  # a cast between backward and step()
         if self.sync is not None:
             self._local_step_and_average(scaling)
             self._last_step_unscaled = scaling is None
@@ -426,8 +427,6 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                 )
             if stepped and poisoned is None and not self._reducer.broken:
                 self._check_grads_kept()
-            elif not stepped and poisoned is None:
-                self._note_grad_edits()
             if self._apply_changes() and stepped and not self._warned_late_change:
                 self._warned_late_change = True
                 warnings.warn(
@@ -441,6 +440,8 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             if not stepped:
                 if self._join_packet:  # some rank has joined: what this step reads
                     _join.send_step(self, scaling)
+                # After Join's packet: a joined rank agrees in its shadow of this step.
+                self._agree_grad_edits(self._edited_grads() if poisoned is None else [])
                 self._step_all(scaling)
             self._last_step_unscaled = scaling is None
         finally:
@@ -491,8 +492,8 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
 
         Raises:
             RuntimeError: this step's buckets were stepped during backward (``overlap=True``,
-                a compiled class, and no step before this one clipped), so there is nothing
-                left to clip; from the next step on, steps wait for ``step()``.
+                a compiled class, and the first step clipped nothing), so there is nothing
+                left to clip.
             ValueError: ``param_groups`` no longer hold the parameters it was built with
                 (``distopt.param_groups.check_groups``).
         """
@@ -513,17 +514,13 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             total = total.to(local.dtype)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
             return total
-        stepped = self._reducer is not None and self._reducer.reducing and self._in_backward
-        if self.overlap and self._eager is None:
-            self._grads_edited = True  # from now on, every step waits for step()
-        if stepped:
+        if self._reducer is not None and self._reducer.reducing and self._in_backward:
             raise RuntimeError(
-                "Invalid clip_grad_norm_: with overlap=True and no clipping in the steps "
-                "before this one, this step's buckets were stepped during backward, as soon "
-                "as their gradients were averaged, so there is nothing left to clip; from "
-                "the next step on every step waits for step() and is clipped (expected "
-                "clipping from the first step on, or DataParallelOptimizer(..., "
-                "overlap=False))"
+                "Invalid clip_grad_norm_: with overlap=True and no clipping in the first "
+                "step, this step's buckets were stepped during backward, as soon as their "
+                "gradients were averaged, so there is nothing left to clip (expected "
+                "clipping from the first step on: then every step waits for step() and is "
+                "clipped; or DataParallelOptimizer(..., overlap=False))"
             )
         if self._reducer is not None:
             self._reducer.complete()
@@ -767,9 +764,12 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     @property
     def join_process_group(self) -> Any:
         """The group of Join's own collectives and of the rounds that start each
-        iteration: ``process_group``, the same for every DataParallelOptimizer over it, so
-        that ``Join([opt1, opt2])`` takes several (``distopt.parallel.join``)."""
-        return self.process_group
+        iteration: one group for every DataParallelOptimizer over ``process_group``
+        (``distopt.parallel.join.group_for``), so that ``Join([opt1, opt2])`` takes several,
+        and torch's Join refuses a mix with another kind of Joinable (DDP), whose rounds
+        would not pair with these. Made at the first ``Join`` (``join_hook``, which every
+        rank calls as it builds its Join)."""
+        return _join.group_for(self.process_group)
 
 
 #: Why the buffers' broadcast stays out of torch.compile's graphs (dynamo prints it where

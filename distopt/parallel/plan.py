@@ -10,6 +10,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from distopt.parallel import buffers as _buffers
@@ -186,10 +187,11 @@ class StepPlan(DataParallelState):
         ``overlap=True``, a compiled class, and after a ``step()`` that came without a
         GradScaler (``GradScaler.step`` hands this optimizer ``grad_scale`` and
         ``found_inf``): the first step, and every step a scaler takes, wait for ``step()``,
-        while the reductions still overlap backward. Nor once a step has found ``.grad``
-        changed after its reduction (``torch.nn.utils.clip_grad_norm_`` between backward and
-        ``step()``, ``_note_grad_edits``): the loop edits gradients, so every later step
-        waits for ``step()`` and steps what ``.grad`` then holds, as torch.optim does.
+        while the reductions still overlap backward. Nor once a step that waited has found
+        ``.grad`` changed after its reduction on some rank (``torch.nn.utils.clip_grad_norm_``
+        between backward and ``step()``, ``_agree_grad_edits``): the loop edits gradients,
+        so every later step waits for ``step()`` and steps what ``.grad`` then holds, as
+        torch.optim does.
         """
         return (self.overlap and self._eager is None and self._last_step_unscaled
                 and not self._grads_edited)
@@ -205,34 +207,44 @@ class StepPlan(DataParallelState):
         changed in place since their bucket was reduced in this window."""
         return sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
 
-    def _note_grad_edits(self) -> None:
+    def _agree_grad_edits(self, edited: Optional[List[int]] = None) -> None:
         """A step that waited for ``step()``: if the loop changed ``.grad`` after the
-        reduction (clipping, a scaling), every later step waits too (``_next_plan``)."""
+        reduction on any rank (clipping, a scaling), every later step waits too
+        (``_next_plan``). Every rank decides alike (one all_reduce of one flag, only while
+        undecided: sharded, where each bucket steps orders the gathers, and ranks that
+        disagreed would issue them in another order); a rank that has joined (Join) takes
+        part with ``edited=[]``."""
         if self._grads_edited or not self.overlap or self._eager is not None:
             return
-        edited = self._edited_grads()
-        if edited:
+        if edited is None:
+            edited = self._edited_grads()
+        anywhere = bool(edited)
+        if self.world_size > 1:
+            flag = torch.tensor([1 if edited else 0], dtype=torch.int64,
+                                device=collective_device(self._forward_group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._forward_group)
+            anywhere = bool(flag.item())
+        if anywhere:
             self._grads_edited = True
             logger.info(
                 "rank %d: the .grad of parameters %s changed between backward and step() "
-                "(clipping, a scaling): every later step waits for step() too, and steps "
-                "what .grad holds then", self.rank, edited[:10])
+                "on some rank (clipping, a scaling): every later step waits for step() too, "
+                "and steps what .grad holds then", self.rank, edited[:10])
 
     def _check_grads_kept(self) -> None:
         """A ``.grad`` changed after backward stepped its bucket cannot be applied."""
         changed = self._edited_grads()
         if changed:
-            self._grads_edited = True  # from the next step on, the change is applied
+            # The plan is not changed here: only this rank knows (see _agree_grad_edits).
             raise RuntimeError(
                 f"Invalid step: the .grad of parameters {changed[:10]}"
                 f"{'...' if len(changed) > 10 else ''} changed between backward and step() "
                 f"(replaced, set to None, or changed in place: torch.nn.utils.clip_grad_norm_,"
-                f" zero_grad(), a scaling), but no step before this one changed them, so "
-                f"with overlap=True this step's buckets were stepped during backward with "
-                f"the averaged gradients and the change is not applied; from the next step "
-                f"on every step waits for step() and steps what .grad holds then (expected "
-                f"the same changes from the first step on, or "
-                f"DataParallelOptimizer(..., overlap=False))"
+                f" zero_grad(), a scaling), but the first step changed none, so with "
+                f"overlap=True this step's buckets were stepped during backward with the "
+                f"averaged gradients and the change is not applied (expected the same "
+                f"changes from the first step on: then every step waits for step() and "
+                f"steps what .grad holds; or DataParallelOptimizer(..., overlap=False))"
             )
 
     def _record_params(self) -> None:

@@ -7,7 +7,10 @@ in that context, and the functional optimizers' sparse paths touch only those ro
 their state), as torch.optim does for ``nn.Embedding(sparse=True)``. Everything else comes
 from DistributedOptimizer unchanged: ``step(context_id)``, param groups and lr schedulers,
 ``state_dict`` / ``load_state_dict``, sharded ``save`` / ``load``, per-parameter locks
-(concurrent trainers lose no row update) and errors that name the failing workers.
+(concurrent trainers lose no row update) and errors that name the failing workers. The
+state_dict and the checkpoint's manifest also record each table's partition
+(``"partitions"``), and a load into tables partitioned otherwise is refused: a shard's
+state belongs to the rows the partition gave it.
 
 Parameters are numbered shard by shard: the shards of the first embedding in owner order,
 then those of the next.
@@ -52,14 +55,19 @@ lookups (see ``distopt.sparse._owner``), so the embeddings record them on their 
 per-row means in place; then the usual step runs. That costs one more round of RPCs per
 step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
 """
+import os
+import warnings
 from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
 
+from distopt import checkpoint
 from distopt.arguments import check_arguments, probe_construction
+from distopt.errors import DistributedOptimizerError, compose_error
 from distopt.fanout import fan_out
 from distopt.optimizer import DistributedOptimizer
+from distopt.param_groups import check_groups
 from distopt.sparse import _owner
 from distopt.sparse.embedding import ShardedEmbedding, tables_with_gradient
 
@@ -148,13 +156,19 @@ class _SparseOptimizer(DistributedOptimizer):
 
     def _before_step(self, context_id: int) -> None:
         """With ``duplicates="mean"``, have every owner average its context gradients over
-        the lookups (one parallel round of RPCs) before the step, under the step's lock."""
+        the lookups (one parallel round of RPCs) before the step, under the step's lock.
+        A failure there raises before any owner steps: the error says nothing was applied."""
         if self.duplicates != "mean":
             return
-        fan_out("step", {
-            name: (info, _owner.average_duplicates, (shard_ids, context_id))
-            for name, (info, shard_ids) in self._shards_by_owner.items()
-        })
+        try:
+            fan_out("step", {
+                name: (info, _owner.average_duplicates, (shard_ids, context_id))
+                for name, (info, shard_ids) in self._shards_by_owner.items()
+            })
+        except DistributedOptimizerError as exc:
+            raise compose_error(
+                "step", exc.failures, [], {name: "none" for name in exc.failures}
+            ) from exc.__cause__
 
     def _empty_gradient_params(self, context_id: int) -> Set[int]:
         """Every shard of every table that got a gradient in the context: each owner steps
@@ -162,6 +176,98 @@ class _SparseOptimizer(DistributedOptimizer):
         table steps as one parameter would (see the module's docstring)."""
         got = tables_with_gradient(self.embeddings, context_id)
         return {i for g, indices in zip(got, self._table_params) if g for i in indices}
+
+    # ------------------------------------------------------------ state and checkpoints
+
+    def _partitions(self) -> List[Dict[str, Any]]:
+        """Per table, what decides which row each shard (parameter) holds: the partition,
+        the rows and the number of owners (their names too, which do not decide it)."""
+        return [{"partition": emb.partition, "num_embeddings": emb.num_embeddings,
+                 "num_owners": len(emb.owners), "owners": list(emb.owners)}
+                for emb in self.embeddings]
+
+    def _check_partitions(self, saved: Any, where: str) -> None:
+        """Refuse a state saved from tables partitioned otherwise: each shard's rows would
+        be other rows, so each row's state would land on another row. A state without the
+        record (saved before distopt wrote it) loads, with a warning.
+
+        Raises:
+            ValueError: naming the table and both partitions; before anything changes.
+        """
+        mine = self._partitions()
+        if saved is None:
+            warnings.warn(
+                f"{type(self).__name__}: the {where} records no partition of its tables "
+                f"(saved before distopt recorded them), so it cannot be checked: it is loaded "
+                f"as if saved from tables partitioned as these are "
+                f"({'; '.join(_described(t) for t in mine)})",
+                UserWarning, stacklevel=3,
+            )
+            return
+        if not isinstance(saved, list) or len(saved) != len(mine) or not all(
+            isinstance(t, dict) for t in saved
+        ):
+            raise ValueError(
+                f"Invalid {where}: partitions {saved!r} (expected one record per table: "
+                f"{len(mine)})"
+            )
+        for t, (theirs, ours) in enumerate(zip(saved, mine)):
+            if any(theirs.get(k) != ours[k] for k in ("partition", "num_embeddings",
+                                                      "num_owners")):
+                raise ValueError(
+                    f"Invalid {where}: table {t} was saved with {_described(theirs)} "
+                    f"(expected {_described(ours)}, this table's: each row's state would "
+                    f"land on another row)"
+                )
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """DistributedOptimizer's ``state_dict``, with ``"partitions"``: per table, its
+        ``partition``, ``num_embeddings``, ``num_owners`` and ``owners``, which
+        ``load_state_dict`` checks."""
+        sd = super().state_dict()
+        sd["partitions"] = self._partitions()
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        """DistributedOptimizer's ``load_state_dict``, after checking that the state was
+        saved from tables partitioned as these are (same partition, rows and number of
+        owners; the owners' names may differ).
+
+        Raises:
+            ValueError: a table partitioned otherwise, naming both partitions, before
+                anything changes; and DistributedOptimizer's errors.
+        """
+        if isinstance(state_dict, dict):
+            self._check_partitions(state_dict.get("partitions"), "state_dict['partitions']")
+        super().load_state_dict(state_dict)
+
+    def save(self, path: str) -> Dict[str, Any]:
+        """DistributedOptimizer's ``save``; the manifest also records ``"partitions"``
+        (see ``state_dict``)."""
+        with self._lock:
+            check_groups(self.param_groups, self._built)
+            return checkpoint.save(self._layout, self.param_groups, path,
+                                   extra={"partitions": self._partitions()})
+
+    def load(self, path: str) -> None:
+        """DistributedOptimizer's ``load``, after checking the manifest's ``"partitions"``
+        as ``load_state_dict`` does, before any owner reads its part.
+
+        Raises:
+            ValueError: a table partitioned otherwise, naming both partitions; and
+                DistributedOptimizer's errors.
+        """
+        with self._lock:
+            check_groups(self.param_groups, self._built)
+            checkpoint.load(self._layout, self._trainer_groups(), path, check=lambda manifest:
+                            self._check_partitions(manifest.get("partitions"),
+                                                   f"checkpoint {os.path.abspath(path)!r}"))
+
+
+def _described(record: Dict[str, Any]) -> str:
+    """A table's partition record in words."""
+    return (f"partition={record.get('partition')!r} of {record.get('num_embeddings')!r} rows "
+            f"over {record.get('num_owners')!r} owners")
 
 
 class SparseSGD(_SparseOptimizer):

@@ -1,4 +1,5 @@
-// Native helpers for flat parameter buffers (functional/_flat.py, distopt/local_optimizer.py).
+// Native helpers for flat parameter buffers (functional/_flat.py) and an owner's step
+// (distopt/local_optimizer.py: gradient lookups and checks, autograd version counters).
 //
 // The TorchScript interpreter spends about a microsecond per parameter on the bookkeeping of a
 // flat step (checking each gradient, looking it up in the autograd context's dict, copying
@@ -6,6 +7,7 @@
 // it costs tens of nanoseconds. Registered with TORCH_LIBRARY, so TorchScript code and eager
 // code call them alike as torch.ops.distopt_flat.*, without the GIL.
 #include <ATen/ATen.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -122,6 +124,71 @@ c10::List<std::optional<at::Tensor>> lookup(const c10::Dict<at::Tensor, at::Tens
   return found;
 }
 
+// Before an owner's step, ``check_step(Tensor[] params, Tensor?[] grads, int kind) ->
+// (int, int[])``: (the position of the first gradient that a class taking gradients of
+// ``kind`` (0: strided only, 1: sparse COO only, 2: either) refuses before its step, being
+// of another layout, shape, dtype or device than its parameter, or -1; for each parameter
+// with a gradient (one the step updates) its autograd version counter, else -1). A None
+// gradient fits; an inference tensor has no counter: 0, and ``bump_versions`` leaves it.
+// Boxed, as ``bump_versions``: it reads the interpreter's lists in place, where an unboxed
+// kernel would copy each optional gradient (12 instead of 22 ns a parameter, measured).
+void check_step(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const int64_t kind = torch::jit::peek(*stack, 2, 3).toInt();
+  const auto& grads = torch::jit::peek(*stack, 1, 3).toListRef();
+  const auto& params = torch::jit::peek(*stack, 0, 3).toListRef();
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n, "distopt_flat::check_step: ", n, " params but ",
+              grads.size(), " gradients");
+  int64_t misfit = -1;
+  c10::List<int64_t> before;
+  before.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& gradient = grads[i];
+    if (gradient.isNone() || !gradient.toTensor().defined()) {
+      before.push_back(-1);
+      continue;
+    }
+    const at::Tensor& g = gradient.toTensor();
+    const at::Tensor& p = params[i].toTensor();
+    before.push_back(p.is_inference() ? 0 : p._version());
+    if (misfit >= 0) {
+      continue;
+    }
+    const auto layout = g.layout();
+    const bool layout_fits = layout == at::kStrided  ? kind != 1
+                             : layout == at::kSparse ? kind != 0
+                                                     : false;
+    if (!layout_fits || g.sizes() != p.sizes() || g.scalar_type() != p.scalar_type() ||
+        g.device() != p.device()) {
+      misfit = static_cast<int64_t>(i);
+    }
+  }
+  torch::jit::drop(*stack, 3);
+  torch::jit::push(*stack, misfit, std::move(before));
+}
+
+// After the step, ``bump_versions(Tensor(a!)[] params, int[] before) -> ()``: bump the
+// version counter of each ``params[i]`` that it updated (``before[i]``, from ``check_step``,
+// is not -1) and left at ``before[i]``, as torch.optim's in-place update bumps it. Kernels
+// that bumped it already (foreach ops) keep their count; those that write through a data
+// pointer (torch's fused kernels, distopt_kernels, a flat buffer's kernel, which changes its
+// members through the buffer) get one bump.
+void bump_versions(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const auto& before = torch::jit::peek(*stack, 1, 2).toListRef();
+  const auto& params = torch::jit::peek(*stack, 0, 2).toListRef();
+  const size_t n = params.size();
+  TORCH_CHECK(before.size() == n, "distopt_flat::bump_versions: ", n, " params but ",
+              before.size(), " versions");
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t version = before[i].toInt();
+    const at::Tensor& p = params[i].toTensor();
+    if (version >= 0 && !p.is_inference() && p._version() == version) {
+      p.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  torch::jit::drop(*stack, 2);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(distopt_flat, m) {
@@ -129,4 +196,10 @@ TORCH_LIBRARY(distopt_flat, m) {
         "Tensor(a!) out) -> bool",
         &fill);
   m.def("lookup(Dict(Tensor, Tensor) grads, Tensor[] params) -> Tensor?[]", &lookup);
+  m.def("check_step(Tensor[] params, Tensor?[] grads, int kind) -> (int, int[])",
+        torch::CppFunction::makeFromBoxedFunction<&check_step>());
+  // ``(a!)``: a call that returns nothing and mutates nothing would be removed by
+  // TorchScript as dead code.
+  m.def("bump_versions(Tensor(a!)[] params, int[] before) -> ()",
+        torch::CppFunction::makeFromBoxedFunction<&bump_versions>());
 }

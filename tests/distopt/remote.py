@@ -465,3 +465,48 @@ def stop_profile() -> List[str]:
     stop.set()
     thread.join()
     return names
+
+
+# ---------------------------------------------------------------- version counters, half steps
+
+
+def version(param_rref: rpc.RRef) -> int:
+    """The parameter's autograd version counter (how many in-place changes it has seen)."""
+    return param_rref.local_value()._version
+
+
+def square_sum(param_rref: rpc.RRef) -> Tensor:
+    """``sum(p * p)``: autograd saves ``p`` for the backward pass (gradient ``2 p``)."""
+    param = param_rref.local_value()
+    return (param * param).sum()
+
+
+def torch_sum_steps(param_rrefs: List[rpc.RRef], steps: int, lr: float) -> None:
+    """A trainer with torch.distributed.optim's DistributedOptimizer (SGD): ``steps`` sum
+    steps, as ``train_sum_steps`` takes them with distopt's."""
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+    optimizer = TorchDistributedOptimizer(torch.optim.SGD, param_rrefs, lr=lr)
+    for _ in range(steps):
+        sum_step(optimizer, param_rrefs)
+
+
+def resize_gradient(param_rref: rpc.RRef, context_id: int, shape: Tuple[int, ...]) -> None:
+    """Resize the parameter's gradient in the context, in place: a gradient that no longer
+    fits its parameter (autograd itself never leaves one)."""
+    grad = dist_autograd.get_gradients(context_id)[param_rref.local_value()]
+    grad.resize_(shape)
+
+
+class FailsInSecondGroupOnWorker2(PlainSGD):
+    """PlainSGD whose step, on worker2, updates param group 0 and then raises in group 1,
+    as a torch.optim step that fails part-way through its groups does."""
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Any] = None) -> None:
+        for j, group in enumerate(self.param_groups):
+            if j == 1 and rpc.get_worker_info().name == "worker2":
+                raise RuntimeError("step refused in param group 1 on worker2")
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])

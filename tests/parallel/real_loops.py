@@ -11,7 +11,7 @@ changes made to the model after the optimizer was built, and ``torch.compile`` w
 """
 import contextlib
 import copy
-import io
+import math
 import os
 from typing import Any, Callable, Dict, List, Optional
 
@@ -139,9 +139,8 @@ def nanogpt(rank: int, world_size: int, path: str) -> Dict[str, Any]:
 
 
 def late_clipping(rank: int, world_size: int) -> Dict[str, Any]:
-    """overlap=True, clipping only from the third step on: that step raises (its buckets
-    were stepped during backward with the averages), the ones after it are clipped, equal
-    to DDP + torch.optim's from the same point (the reference takes our state there)."""
+    """overlap=True, clipping only from the third step on: each such step raises (its
+    buckets were stepped during backward with the averages)."""
     model = torch.nn.Linear(8, 4)
     opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.5, momentum=0.9,
                                 fused=True)
@@ -162,11 +161,32 @@ def late_clipping(rank: int, world_size: int) -> Dict[str, Any]:
             except RuntimeError as exc:
                 out["errors"].append((step, str(exc)))
             o.zero_grad()
-        if step == 2:  # the reference goes on from what ours applied
-            with torch.no_grad():
-                for p, q in zip(ref_model.parameters(), model.parameters()):
-                    p.copy_(q)
-            ref.load_state_dict(opt.state_dict())
+        out["ours"].append(flat_params(model).clone())
+        out["ddp"].append(flat_params(ref_model).clone())
+    opt.close()
+    return out
+
+
+def norm_logged_on_rank0(rank: int, world_size: int, shard: Optional[str]) -> Dict[str, Any]:
+    """Rank 0 alone computes the gradient norm with ``clip_grad_norm_(..., inf)`` between
+    backward and step (it scales ``.grad`` in place by 1), SGD over 4 buckets."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    ref_model = copy.deepcopy(model)
+    opt = DataParallelOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9,
+                                fused=True, shard=shard, bucket_cap_mb=0.0002)
+    ddp = DistributedDataParallel(ref_model)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    out: Dict[str, Any] = {"ours": [], "ddp": [], "edited": []}
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, o in ((ddp, ref), (model, opt)):
+            m(x).pow(2).sum().backward()
+            if rank == 0:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), math.inf)
+            o.step()
+            o.zero_grad()
+        out["edited"].append(opt._grads_edited)
         out["ours"].append(flat_params(model).clone())
         out["ddp"].append(flat_params(ref_model).clone())
     opt.close()
@@ -228,11 +248,16 @@ def two_optimizers_join(rank: int, world_size: int, path: str, nested: bool) -> 
             if step == 3:  # rank 1 has joined
                 o1.save(os.path.join(path, f"body-{nested}"))
                 o2.save(os.path.join(path, f"head-{nested}"))
-                o1.consolidate_state_dict(to=0)
+                o1.consolidate_state_dict(to=None)  # rank 1, joined, gets it too
                 out["state_at_3"] = o1.state_dict()["state"]
                 out["head_state_at_3"] = copy.deepcopy(o2.state_dict()["state"])
     out["ours"] = flat_params(model).clone()
     out["buffers"] = [b.clone() for b in model.buffers()]
+    try:  # rank 1 shadowed the 5th step: its consolidated state is out of date too
+        o1.state_dict()
+        out["stale"] = "no error"
+    except RuntimeError as exc:
+        out["stale"] = str(exc)
     # The checkpoints written inside the block load into new optimizers, equal to the state
     # at that iteration.
     o1.close()
@@ -389,4 +414,23 @@ def untouched_grads_keep_overlapping(rank: int, world_size: int) -> Dict[str, An
             opt.zero_grad()
         out[name] = {"in_backward": seen, "edited": opt._grads_edited}
         opt.close()
+    return out
+
+
+def join_with_ddp(rank: int, world_size: int) -> Dict[str, str]:
+    """A DataParallelOptimizer and a DDP model in one Join, either order: torch's Join
+    refuses them at once (their rounds would not pair)."""
+    model = torch.nn.Linear(2, 2)
+    head = torch.nn.Linear(2, 1)
+    ddp = DistributedDataParallel(model)
+    opt = DataParallelOptimizer(torch.optim.SGD, head.parameters(), lr=0.1)
+    out = {}
+    for name, joinables in (("opt-first", [opt, ddp]), ("ddp-first", [ddp, opt])):
+        try:
+            with Join(joinables):
+                pass
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    opt.close()
     return out

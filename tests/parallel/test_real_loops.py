@@ -49,13 +49,30 @@ def test_a_sharded_state_dict_on_one_rank_raises_at_once(nanogpt, scaled, option
     assert "out of date: a step or a load came since" in nanogpt[0][f"{key}/stale"]
 
 
-def test_clipping_that_starts_late_raises_once_then_is_applied(worlds):
-    for result in worlds.run(real_loops.late_clipping, 2):
-        assert [step for step, _ in result["errors"]] == [2]
-        assert "no step before this one changed them" in result["errors"][0][1]
-        assert "from the next step on every step waits for step()" in result["errors"][0][1]
-        for got, want in zip(result["ours"][:2] + result["ours"][3:],
-                             result["ddp"][:2] + result["ddp"][3:]):
+def test_clipping_that_starts_late_raises_at_each_step_it_missed(worlds):
+    """Clipping from the third step on, after two steps that did not clip: those steps were
+    stepped during backward with the averages, so each raises (the plan changes only at a
+    step that waited, where every rank agrees); the parameters stay equal on every rank."""
+    results = worlds.run(real_loops.late_clipping, 2)
+    for result in results:
+        assert [step for step, _ in result["errors"]] == [2, 3, 4]
+        message = result["errors"][0][1]
+        assert "the first step changed none" in message
+        assert "expected the same changes from the first step on" in message
+        for got, want in zip(result["ours"][:2], result["ddp"][:2]):
+            assert torch.equal(got, want)
+    assert torch.equal(results[0]["ours"][-1], results[1]["ours"][-1])
+
+
+@pytest.mark.parametrize("shard", [None, "flat"])
+def test_grads_changed_on_one_rank_only_change_the_plan_on_every_rank(worlds, shard):
+    """Rank 0 alone logs the gradient norm with clip_grad_norm_(..., inf) (an in-place
+    scaling by 1): every rank decides to wait for step() from then on, so the sharded
+    gathers stay in one order (before, rank 1 aborted in gloo: "collective mismatch"), and
+    the parameters equal DDP's."""
+    for result in worlds.run(real_loops.norm_logged_on_rank0, 2, shard):
+        assert result["edited"] == [True] * 3
+        for got, want in zip(result["ours"], result["ddp"]):
             assert torch.equal(got, want)
 
 
@@ -75,6 +92,13 @@ def test_two_optimizers_under_join_with_save_inside(worlds, tmp_path, nested):
     for r in results:
         assert_identical(r["loaded_body"], last["state_at_3"])
         assert_identical(r["loaded_head"], last["head_state_at_3"])
+        assert "out of date: a step or a load came since" in r["stale"], r["stale"]
+
+
+def test_a_dataparallel_optimizer_and_ddp_in_one_join_are_refused(worlds):
+    for r in worlds.run(real_loops.join_with_ddp, 2):
+        assert r == {"opt-first": "Using join context manager with multiple process groups",
+                     "ddp-first": "Using join context manager with multiple process groups"}
 
 
 def test_load_inside_join_is_refused_at_once(worlds, tmp_path):

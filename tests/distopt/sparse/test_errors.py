@@ -72,3 +72,9 @@ def test_owner_failure_names_the_worker(emb):
             opt.step(ctx)
     assert list(info.value.failures) == ["worker1"]
     assert "RuntimeError: Invalid gradient" in info.value.failures["worker1"]
+    # the averaging round failed before any owner stepped
+    assert info.value.succeeded == [] and info.value.applied == {"worker1": "none"}
+    assert str(info.value).splitlines()[-1] == (
+        "  not applied on ['worker1'] (their parameters hold the previous step): nothing was "
+        "stepped anywhere"
+    )
