@@ -254,11 +254,13 @@ class StepPlan(DataParallelState):
 
     def _check_params_unchanged(self) -> None:
         """Refuse a parameter cast, moved or re-laid out after construction (``model.double()``,
-        ``.to(memory_format=...)``), before anything is sent or stepped: its gradient bucket,
-        the compiled steps (and, sharded, its state's pieces) were built for what it was."""
+        ``.to(memory_format=...)`` when sharded), before anything is sent or stepped: its
+        gradient bucket (and, sharded, its state's pieces) were cut for what it was.
+        Unsharded, a new memory order is stepped as torch.optim steps it."""
         for i, p, dtype, device, shape, stride in self._param_records:
-            if (p.dtype == dtype and p.device == device and p.shape == shape
-                    and p.stride() == stride):
+            if p.dtype == dtype and p.device == device and p.shape == shape and (
+                self.shard is None or p.stride() == stride  # unsharded steps any layout
+            ):
                 continue
             if p.dtype != dtype or p.device != device or p.shape != shape:
                 now = f"{p.dtype} on {p.device}, shape {tuple(p.shape)}"
@@ -266,9 +268,9 @@ class StepPlan(DataParallelState):
                 how = "cast, moved or replaced (model.double(), .half(), .to(...))"
             else:
                 now, was = f"strides {p.stride()}", f"strides {stride}"
-                how = ("laid out anew (model.to(memory_format=torch.channels_last)), while "
-                       "the fused kernels read its gradient and state in the memory order "
-                       "it had (and, sharded, its state's pieces follow that order)")
+                how = ("laid out anew (model.to(memory_format=torch.channels_last)), and "
+                       f"with shard={self.shard!r} its state's pieces follow the memory order "
+                       f"it had")
             raise RuntimeError(
                 f"Invalid parameter {i}: it is now {now}, but it was {was} when this "
                 f"DataParallelOptimizer was built: the model was {how} after the optimizer "
