@@ -28,10 +28,10 @@ CAP_MB = 2 * (WIDTH * WIDTH + WIDTH) * 4 / 2**20
 class Reversed(torch.nn.Module):
     """Layers used in the reverse of their registration order; a head used last."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, layers: int = LAYERS, outputs: int = 1) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
-        self.head = torch.nn.Linear(WIDTH, 1)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in reversed(self.layers):

@@ -16,6 +16,7 @@ import torch
 
 from distopt.parallel import DataParallelOptimizer, PowerSGD, TopK
 from distopt.parallel import shard as shard_module
+from tests.parallel.arrival_scenarios import Reversed
 from tests.parallel.ranks import eager_class
 from tests.same import identical
 
@@ -28,23 +29,9 @@ CAP_MB = 2 * (WIDTH * WIDTH + WIDTH) * 4 / 2**20
 SAVED_AT, AFTER = 3, 2
 
 
-class Reversed(torch.nn.Module):
-    """Layers used in the reverse of their registration order, then a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
-        self.head = torch.nn.Linear(WIDTH, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in reversed(self.layers):
-            x = torch.tanh(layer(x))
-        return self.head(x)
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return Reversed()
+    return Reversed(WIDTH, LAYERS, outputs=2)
 
 
 def _batches(rank: int) -> List[Any]:
