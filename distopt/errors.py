@@ -17,15 +17,16 @@ class DistributedOptimizerError(RuntimeError):
     ``step`` those owners have applied it. ``applied`` says what each failing owner of a
     step did: ``"none"`` (nothing stepped there: its gradients were refused before any
     group stepped, or its step was refused), ``"part"`` (its line says which param groups
-    or parameters stepped); an owner missing from it gave no word (it did not reply, and
-    may have stepped). The step's last line sums this up; wherever it says the parameters
+    or parameters stepped), ``"maybe"`` (an eager optimizer raised inside its step() and no
+    version counter moved: changes through ``.data`` would not show); an owner missing from
+    it gave no word (it did not reply, and may have stepped). The step's last line sums this up; wherever it says the parameters
     mix two steps, loading the last checkpoint gets back to one consistent state.
 
     Args:
         message: the whole message.
         failures: worker name -> that worker's one-line message.
         succeeded: the workers whose call of the round succeeded.
-        applied: failing worker name -> ``"none"`` or ``"part"``, for a step.
+        applied: failing worker name -> ``"none"``, ``"part"`` or ``"maybe"``, for a step.
     """
 
     def __init__(self, message: str, failures: Optional[Dict[str, str]] = None,
@@ -77,6 +78,7 @@ def _step_summary(failed: List[str], succeeded: List[str], applied: Dict[str, st
     leaves the parameters in."""
     none = [w for w in failed if applied.get(w) == "none"]
     part = [w for w in failed if applied.get(w) == "part"]
+    maybe = [w for w in failed if applied.get(w) == "maybe"]
     unknown = [w for w in failed if w not in applied]
     said = []
     if succeeded:
@@ -86,8 +88,12 @@ def _step_summary(failed: List[str], succeeded: List[str], applied: Dict[str, st
         said.append(f"partly applied on {part} (see {lines})")
     if none:
         said.append(f"not applied on {none} (their parameters hold the previous step)")
+    if maybe:
+        lines = "its line" if len(maybe) == 1 else "their lines"
+        said.append(f"perhaps partly applied on {maybe} (see {lines})")
     if unknown:
         said.append(f"perhaps applied on {unknown} (no word from there on what it did)")
+    unknown = unknown + maybe
     if succeeded or part:
         outcome = ("the parameters now mix this step and the previous one; load() the last "
                    "checkpoint to get back to one consistent state")
@@ -144,8 +150,8 @@ class RemoteFailure:
         message: ``Type: message`` on one line (for an error raised in TorchScript code, the
             ``Type: message`` its traceback ends with).
         exception: the owner's exception itself when it survives pickling, else None.
-        applied: for a failed step, what the owner applied: ``"none"`` or ``"part"`` (see
-            DistributedOptimizerError); None for other calls.
+        applied: for a failed step, what the owner applied: ``"none"``, ``"part"`` or
+            ``"maybe"`` (see DistributedOptimizerError); None for other calls.
     """
 
     message: str

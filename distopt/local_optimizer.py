@@ -342,7 +342,8 @@ class LocalOptimizer(abc.ABC):
 
         Returns:
             (the message, saying what changed where if the step failed part-way, and
-            ``"none"`` or ``"part"``: see ``distopt.errors.DistributedOptimizerError``).
+            ``"none"``, ``"part"`` or ``"maybe"``: see
+            ``distopt.errors.DistributedOptimizerError``).
         """
 
     def _groups_text(self, groups: Sequence[int]) -> str:
@@ -959,7 +960,11 @@ class EagerLocalOptimizer(LocalOptimizer):
             flat[k] for k in self._stepping if _torch.version(self.params[k]) != self._before[k]
         ]
         if not changed:
-            return message, "none"
+            # An optimizer that writes through ``.data`` moves no version counter: the step
+            # raised inside the class's step(), which may have changed parameters unseen.
+            return (f"{message} (part-way through the step on {self.owner}: the optimizer "
+                    f"raised inside its step(); no parameter's autograd version counter "
+                    f"moved, but changes made through .data move none)", "maybe")
         unchanged = [flat[k] for k in self._stepping if flat[k] not in changed]
         said = f"parameters {sorted(changed)} changed in place"
         if unchanged:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from distopt import manifest as _manifest
 from distopt.manifest import MANIFEST, crc32_of, write_atomic
 from distopt.parallel import shard as _shard
-from distopt.parallel.sync import collective_device, global_rank
+from distopt.parallel.sync import all_gather_named, collective_device, global_rank
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,13 @@ def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, doing
     reason = None if error is None else str(error)
     every: List[Optional[str]] = [reason]
     if opt.world_size > 1:
-        every = [None] * opt.world_size
         try:
-            dist.all_gather_object(every, reason, group=opt.process_group)
+            every = all_gather_named(f"{doing.split(' ')[0]}()", reason, opt.process_group,
+                                     opt.rank, opt.world_size)
+        except RuntimeError as exc:
+            if "called different collectives" in str(exc):
+                raise
+            raise _lost(opt, doing, exc) from exc
         except Exception as exc:
             raise _lost(opt, doing, exc) from exc
     by_reason: Dict[str, List[int]] = {}

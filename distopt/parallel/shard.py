@@ -26,11 +26,11 @@ import itertools
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from distopt._torch import all_gather_flat
 from distopt.parallel.buckets import Bucket
+from distopt.parallel.sync import all_gather_named
 from distopt.profiling import profiler_range
 
 __all__ = [
@@ -313,8 +313,8 @@ def gathered_state(opt: Any, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[
     mine = {i: (pieces[i][0], pieces[i][1], entry) for i, entry in mine.items()}
     every: List[Any] = [mine]
     if opt.world_size > 1:
-        every = [None] * opt.world_size
-        dist.all_gather_object(every, mine, group=opt.process_group)
+        every = all_gather_named("consolidate_state_dict() (or a bucket rebuild)",
+                                 mine, opt.process_group, opt.rank, opt.world_size)
     parts: Dict[int, List[Any]] = {}
     for theirs in every:
         for i, part in theirs.items():

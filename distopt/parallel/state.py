@@ -187,11 +187,15 @@ class DataParallelState(CompiledState):
         if not eager:
             whole = {position[k]: v for k, v in state_dict["state"].items() if k in position}
             self._check_saved_hyper(saved_groups)
+            checked = whole
             if sharded:  # every parameter's, on every rank: every rank decides alike
                 _shard.check_laid_out(self, whole)
+                # The compiled steps are still the construction's: check the state cut as
+                # they hold it (keys, dtypes, sizes); it is loaded cut for the layout to be.
+                checked = _shard.own_pieces_of(self, whole, saved_ids)
                 whole = _shard.own_pieces_of(self, whole, saved_ids, pieces)
             if self._local is not None:
-                self._local.check_torch_state(whole)
+                self._local.check_torch_state(checked)
 
         def load() -> None:
             if relayout is not None:

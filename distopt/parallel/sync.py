@@ -17,7 +17,7 @@ from torch import Tensor
 
 from distopt.arguments import check_number
 
-__all__ = ["RoundRobin", "average_", "collective_device", "global_rank", "partition",
+__all__ = ["RoundRobin", "all_gather_named", "average_", "collective_device", "global_rank", "partition",
            "through_flat"]
 
 
@@ -86,3 +86,27 @@ def collective_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def all_gather_named(what: str, obj: Any, group: Any, rank: int, world_size: int) -> List[Any]:
+    """Every rank's ``obj`` (one all_gather_object), each sent with ``what`` this rank is
+    doing; a rank whose peer was doing something else (one rank in ``load_state_dict``, the
+    other in ``consolidate_state_dict``) raises saying so, instead of misreading the other
+    collective's payload.
+
+    Raises:
+        RuntimeError: the ranks were not all doing ``what``.
+    """
+    every: List[Any] = [None] * world_size
+    dist.all_gather_object(every, (what, obj), group=group)
+    others = {r: theirs[0] if isinstance(theirs, tuple) and len(theirs) == 2 else "another call"
+              for r, theirs in enumerate(every) if not (isinstance(theirs, tuple)
+                                                         and theirs[:1] == (what,))}
+    if others:
+        doing = "; ".join(f"rank {r} in {d}" for r, d in sorted(others.items()))
+        raise RuntimeError(
+            f"DataParallelOptimizer on rank {rank} of {world_size}: the ranks called different "
+            f"collectives: this rank is in {what}, {doing} (expected every rank to call "
+            f"{what} together)"
+        )
+    return [theirs[1] for theirs in every]

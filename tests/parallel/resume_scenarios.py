@@ -17,7 +17,7 @@ import torch
 from distopt.parallel import DataParallelOptimizer, PowerSGD, TopK
 from distopt.parallel import shard as shard_module
 from tests.parallel.arrival_scenarios import Reversed
-from tests.parallel.ranks import eager_class
+from tests.parallel.ranks import eager_class, whole_state_dict
 from tests.same import identical
 
 WIDTH = 8
@@ -69,14 +69,6 @@ RUNS: Dict[str, Any] = {
 #: How a run is resumed: ``save`` / ``load``, or each rank's gathered ``state_dict()``
 #: (through torch.save, weights_only=True) and ``load_state_dict``.
 HOWS = ("save", "state_dict")
-
-
-def whole_state_dict(opt: Any) -> Dict[str, Any]:
-    """``opt.state_dict()`` on every rank: sharded, after ``consolidate_state_dict`` to
-    every rank, where the optimizer has it (as torch's ZeroRedundancyOptimizer)."""
-    if opt.shard is not None and hasattr(opt, "consolidate_state_dict"):
-        opt.consolidate_state_dict(to=None)
-    return opt.state_dict()
 
 
 def _error(call: Callable[[], Any]) -> str:
@@ -246,8 +238,47 @@ def ddp_habit(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
+def other_cap(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+    """A "flat" TopK run saved with one ``bucket_cap_mb`` and loaded by an optimizer built
+    with another (it takes the saved layout): whether the resumed run equals the
+    uninterrupted one; then rank 0 in ``load_state_dict`` while rank 1 consolidates: the
+    error each rank gets."""
+    batches = _batches(rank)
+    cls, kwargs, options, compression = RUNS["topk-flat"]
+
+    def make(model, cap):
+        return DataParallelOptimizer(cls, model.parameters(), bucket_cap_mb=cap,
+                                     compression=compression(), **options, **kwargs)
+
+    model = _model()
+    opt = make(model, CAP_MB)
+    _train(model, opt, batches[:SAVED_AT])
+    where = os.path.join(path, "other-cap")
+    opt.save(where)
+    saved_params = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, batches[SAVED_AT:])
+    straight = _params(model)
+    opt.close()
+    model = _model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), saved_params):
+            p.copy_(v)
+    resumed = make(model, 2.5 * CAP_MB)
+    out = {"load": _error(lambda: resumed.load(where))}
+    _train(model, resumed, batches[SAVED_AT:])
+    out["equal"] = bool(torch.equal(_params(model), straight))
+    state = whole_state_dict(resumed)
+    if rank == 0:
+        out["mismatch"] = _error(lambda: resumed.load_state_dict(state))
+    else:
+        out["mismatch"] = _error(lambda: resumed.consolidate_state_dict(to=None))
+    resumed.close()
+    return out
+
+
 def everything(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     """The module's one world: every scenario above, in turn."""
     return {"resumes": resumes(rank, world_size, path),
             "refusals": refusals(rank, world_size, path),
-            "habit": ddp_habit(rank, world_size)}
+            "habit": ddp_habit(rank, world_size),
+            "other_cap": other_cap(rank, world_size, path)}

@@ -93,3 +93,25 @@ def test_rank_0_s_residuals_loaded_on_another_rank_warn_once(world, name, what):
         assert got["record"] == {"rank": 0, "world_size": 2}
     assert world[0]["habit"][name]["warnings"] == []
     assert world[1]["habit"][name]["warnings"] == [_habit_warning(what)]
+
+
+def test_a_flat_topk_state_loads_into_another_bucket_cap(world):
+    """The load takes the saved layout; the state was checked against the compiled steps'
+    pieces of the new layout before (every rank refused: "shape [64] (expected [128] ...)")."""
+    for r in world:
+        assert r["other_cap"]["load"] == "no error"
+        assert r["other_cap"]["equal"]
+
+
+def test_ranks_in_different_collectives_say_so(world):
+    """Rank 0 in a sharded load_state_dict while rank 1 consolidates: each rank names both
+    calls (before: TypeError and AttributeError from the other's payload)."""
+    assert world[0]["other_cap"]["mismatch"] == (
+        "RuntimeError: DataParallelOptimizer on rank 0 of 2: the ranks called different "
+        "collectives: this rank is in load_state_dict(), rank 1 in consolidate_state_dict() "
+        "(or a bucket rebuild) (expected every rank to call load_state_dict() together)")
+    assert world[1]["other_cap"]["mismatch"].startswith(
+        "RuntimeError: DataParallelOptimizer on rank 1 of 2: the ranks called different "
+        "collectives: this rank is in consolidate_state_dict() (or a bucket rebuild), rank 0 "
+        "in load_state_dict()")
+
