@@ -22,6 +22,7 @@ completes the future DDP waits for at the end of backward; it issues no collecti
 import logging
 import queue
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -36,7 +37,7 @@ from distopt.parallel import teardown
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, reduction_for
 from distopt.parallel.plan import amp_scaling, drop_amp_scaling
-from distopt.parallel.state import CompiledState, saved_layout
+from distopt.parallel.state import CompiledState, foreign_residuals, saved_layout
 from distopt.profiling import profiler_range
 from distopt.shell import indexed_groups, load_state_dict_with_hooks, refuse_add_param_group
 from functional import functional_optim_map
@@ -413,6 +414,9 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
             Threshold, PowerSGD), named.
     """
 
+    #: Whether a load has warned that it gave this rank another rank's residuals.
+    _warned_residuals = False
+
     #: So that ``GradScaler.step(opt)`` calls ``step()``, which refuses it: every bucket was
     #: stepped during backward, before the scaler could unscale or look for inf/NaN.
     _step_supports_amp_scaling = True
@@ -577,6 +581,9 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
             params = [p for g in self.param_groups for p in g["params"]]
             residuals = {i: self.hook_state.residual(p) for i, p in enumerate(params)}
             sd["residuals"] = {i: r.clone() for i, r in residuals.items() if r is not None}
+            # whose they are: loaded on another rank, they warn (``foreign_residuals``)
+            sd["residuals_of"] = {"rank": self.hook_state.rank,
+                                  "world_size": self.hook_state.world_size}
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -606,10 +613,17 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
                 f"compression={self.compression!r} keeps none (expected no 'residuals')"
             )
 
+        foreign = foreign_residuals(
+            state_dict, type(self).__name__, self.hook_state.rank, self.hook_state.world_size,
+            "each rank's own state_dict(), saved by every rank: "
+            "torch.save(opt.state_dict(), f'opt-rank{rank}.pt')")
         self._load_units(saved_groups, state)
         self._adopt_groups(saved_groups)
         for i, value in residuals.items():
             self.hook_state.set_residual(params[i], value)
+        if foreign is not None and not self._warned_residuals:
+            self._warned_residuals = True
+            warnings.warn(foreign, stacklevel=4)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the compiled optimizers are built once.

@@ -22,7 +22,7 @@ from distopt.shell import indexed_groups, state_dict_with_hooks
 from functional import functional_optim_map
 from functional._state import check_hyperparameter
 
-__all__ = ["CompiledState", "DataParallelState", "saved_layout"]
+__all__ = ["CompiledState", "DataParallelState", "foreign_residuals", "saved_layout"]
 
 
 class CompiledState:
@@ -237,25 +237,8 @@ class DataParallelState(CompiledState):
         return relayout, _shard.piece_index(relayout[0])
 
     def _foreign_residuals(self, state_dict: Dict[str, Any]) -> Optional[str]:
-        """The warning for a state_dict whose residuals (or compression state) another rank
-        saved (``"residuals_of"``), or None. A warning, not a refusal: the ranks that find
-        their own would go on into the next collective and wait there for the others."""
-        held = "residuals" in state_dict or "compression" in state_dict
-        saved = state_dict.get("residuals_of")
-        if not held or not isinstance(saved, dict) or self.world_size == 1 or (
-            saved.get("rank") == self.rank and saved.get("world_size") == self.world_size
-        ):
-            return None
-        what = " and ".join(f"state_dict[{k!r}]" for k in ("residuals", "compression")
-                            if k in state_dict)
-        return (
-            f"DataParallelOptimizer on rank {self.rank} of {self.world_size}: loaded the "
-            f"per-rank residuals of rank {saved.get('rank')} of {saved.get('world_size')} "
-            f"({what}): each rank keeps the error feedback of what it did not send, so this "
-            f"rank now holds another rank's, and the run drifts from one that kept its own "
-            f"(expected opt.save(path) / opt.load(path) on every rank, which keep each rank's "
-            f"own residuals, or each rank's own state_dict())"
-        )
+        """``foreign_residuals`` for this optimizer."""
+        return foreign_residuals(state_dict, type(self).__name__, self.rank, self.world_size)
 
     def _residuals(self) -> Dict[int, Tensor]:
         """Global index -> a copy of this rank's residual, shaped like the parameter."""
@@ -297,6 +280,30 @@ class DataParallelState(CompiledState):
             )
         codec = self._codec_config.bound(self._comm_group, self.rank, self.world_size, buckets)
         return buckets, codec
+
+
+def foreign_residuals(state_dict: Dict[str, Any], name: str, rank: int, world_size: int,
+                      remedy: str = ("opt.save(path) / opt.load(path) on every rank, which "
+                                     "keep each rank's own residuals, or each rank's own "
+                                     "state_dict()")) -> Optional[str]:
+    """The warning for a state_dict whose residuals (or compression state) another rank
+    saved (``"residuals_of"``), or None; ``remedy``: what keeps each rank's own. A warning,
+    not a refusal: the ranks that find their own would go on into the next collective and
+    wait there for the others."""
+    held = "residuals" in state_dict or "compression" in state_dict
+    saved = state_dict.get("residuals_of")
+    if not held or not isinstance(saved, dict) or world_size == 1 or (
+        saved.get("rank") == rank and saved.get("world_size") == world_size
+    ):
+        return None
+    what = " and ".join(f"state_dict[{k!r}]" for k in ("residuals", "compression")
+                        if k in state_dict)
+    return (
+        f"{name} on rank {rank} of {world_size}: loaded the per-rank residuals of rank "
+        f"{saved.get('rank')} of {saved.get('world_size')} ({what}): each rank keeps the "
+        f"error feedback of what it did not send, so this rank now holds another rank's, and "
+        f"the run drifts from one that kept its own (expected {remedy})"
+    )
 
 
 def saved_layout(state_dict: Any, param_groups: List[Dict[str, Any]]) -> Any:

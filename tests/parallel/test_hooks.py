@@ -424,6 +424,15 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     residuals = opt.state_dict()["residuals"]
     out["residual_shapes"] = {i: tuple(r.shape) for i, r in residuals.items()}
     out["param_shapes"] = [tuple(p.shape) for p in model.parameters()]
+    # The DDP habit: rank 0's state_dict loaded on every rank warns, once, where the
+    # residuals are another rank's (issue 36: before, silently)
+    box = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.load_state_dict(box[0])
+    out["residual_warnings"] = [str(w.message) for w in seen if w.category is UserWarning]
 
     # A step that fails reaches backward, naming the rank and the bucket (every collective
     # was issued and completes, on both ranks, so the group stays usable).
@@ -628,6 +637,15 @@ def test_state_dict_moves_to_torch_optim_and_back(stepped):
     assert "amsgrad" in hook["amsgrad"]
     for r in stepped:
         assert r["residual_shapes"] == dict(enumerate(r["param_shapes"]))
+
+
+def test_rank_0_s_residuals_loaded_on_another_rank_warn_once(stepped):
+    assert stepped[0]["residual_warnings"] == []  # its own
+    warned = stepped[1]["residual_warnings"]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("OptimizerInBackward on rank 1 of 2: loaded the per-rank "
+                                "residuals of rank 0 of 2 (state_dict['residuals'])")
+    assert "expected each rank's own state_dict(), saved by every rank" in warned[0]
 
 
 def test_parameters_no_rank_used_are_left_alone(stepped):
