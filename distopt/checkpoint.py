@@ -165,6 +165,8 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
             f"Invalid checkpoint: written by a {manifest['optimizer_class']} optimizer "
             f"(expected {expected_class})"
         )
+    if check is not None:  # first: a caller's record explains a count or shape that differs
+        check(manifest)
     groups = [_decode(g) for g in manifest["param_groups"]]
     id_map = state.check_groups(layout, trainer, groups, what="checkpoint")
     saved_params = manifest["params"]
@@ -180,8 +182,6 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
                 f"Invalid checkpoint: parameter {i} has shape {shape} (expected "
                 f"{tuple(layout.param_shapes[i])})"
             )
-    if check is not None:
-        check(manifest)
     shards = _checked_shards(path, manifest, len(saved_params))
     file_of = {i: shard["file"] for shard in shards for i in shard["params"]}
     expected = {shard["file"]: shard for shard in shards}

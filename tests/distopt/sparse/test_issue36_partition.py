@@ -84,3 +84,26 @@ def test_a_state_without_the_record_loads_with_a_warning(world):
     harness.train(resumed_tables, resumed, None, None, range(2, 4))
     for a, b in zip(sharded, resumed_tables):
         assert torch.equal(a.full_weight(), b.full_weight())
+
+
+def test_a_checkpoint_of_another_row_count_names_the_partitions(world, tmp_path):
+    """``load`` checks the partitions before the shapes, so a table of one more row is
+    refused naming both partitions (before: "parameter 1 has shape (11, 4) ...")."""
+    sharded, _ = harness.make_tables("range")
+    opt = SparseAdam(sharded, lr=0.05)
+    harness.train(sharded, opt, None, None, range(1))
+    opt.save(str(tmp_path))
+    bigger = [ShardedEmbedding.from_pretrained(
+        torch.cat([emb.full_weight(), emb.full_weight()[:1]]), emb.owners, partition="range")
+        if k == 0 else ShardedEmbedding.from_pretrained(emb.full_weight(), emb.owners,
+                                                        partition="range")
+        for k, emb in enumerate(sharded)]
+    other = SparseAdam(bigger, lr=0.05)
+    with pytest.raises(ValueError) as raised:
+        other.load(str(tmp_path))
+    rows = harness.TABLES[0][0]
+    assert str(raised.value) == (
+        f"Invalid checkpoint {os.path.abspath(str(tmp_path))!r}: table 0 was saved with "
+        f"partition='range' of {rows} rows over 2 owners (expected partition='range' of "
+        f"{rows + 1} rows over 2 owners, this table's: each row's state would land on "
+        f"another row)")
