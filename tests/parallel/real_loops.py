@@ -72,7 +72,7 @@ def _iterations(model: torch.nn.Module, opt: Any, no_sync: Callable, scaler: Any
 
 def _scaler(enabled: bool) -> Any:
     # nanoGPT: GradScaler(enabled=(dtype == 'float16')); a huge first scale makes the
-    # first step overflow and be skipped, as fp16 runs do.
+    # first step overflow: the scaler drops that step, as in fp16 runs.
     return torch.amp.GradScaler("cpu", init_scale=2.0 ** 40 if enabled else 2.0 ** 16,
                                 enabled=enabled)
 
