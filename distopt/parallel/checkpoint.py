@@ -64,7 +64,8 @@ def _lost(opt: Any, doing: str, exc: BaseException) -> RuntimeError:
     )
 
 
-def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, doing: str) -> None:
+def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, call: str,
+                      doing: str) -> None:
     """Raise on every rank the same ValueError if any rank of ``opt``'s group refused its
     part of a load (``error``: this rank's reason, or None), naming each refusing rank and
     its reason; return if none did. One all_gather_object of the reasons: every rank calls
@@ -72,6 +73,7 @@ def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, doing
 
     Args:
         what: what was refused, for the message ("checkpoint", "state_dict").
+        call: the call every rank is in ("load()"), named if another rank is elsewhere.
         doing: what the ranks were doing, should the collective fail ("load from '<dir>'").
 
     Raises:
@@ -82,8 +84,8 @@ def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, doing
     every: List[Optional[str]] = [reason]
     if opt.world_size > 1:
         try:
-            every = all_gather_named(f"{doing.split(' ')[0]}()", reason, opt.process_group,
-                                     opt.rank, opt.world_size)
+            every = all_gather_named(call, reason, opt.process_group, opt.rank,
+                                     opt.world_size)
         except RuntimeError as exc:
             if "called different collectives" in str(exc):
                 raise
@@ -226,7 +228,7 @@ def load(opt: Any, path: str) -> None:
     except Exception as exc:  # reported on every rank below
         error = exc
     # Every rank raises the same message, naming the ranks that refused and why.
-    refuse_everywhere(opt, error, "checkpoint", f"load from {path!r}")
+    refuse_everywhere(opt, error, "checkpoint", "load()", f"load from {path!r}")
     loader()
     logger.info("rank %d: loaded %s", opt.rank, path)
 

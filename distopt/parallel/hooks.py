@@ -22,7 +22,6 @@ completes the future DDP waits for at the end of backward; it issues no collecti
 import logging
 import queue
 import threading
-import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -414,9 +413,6 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
             Threshold, PowerSGD), named.
     """
 
-    #: Whether a load has warned that it gave this rank another rank's residuals.
-    _warned_residuals = False
-
     #: So that ``GradScaler.step(opt)`` calls ``step()``, which refuses it: every bucket was
     #: stepped during backward, before the scaler could unscale or look for inf/NaN.
     _step_supports_amp_scaling = True
@@ -621,9 +617,7 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
         self._adopt_groups(saved_groups)
         for i, value in residuals.items():
             self.hook_state.set_residual(params[i], value)
-        if foreign is not None and not self._warned_residuals:
-            self._warned_residuals = True
-            warnings.warn(foreign, stacklevel=4)
+        self._warn_residuals_once(foreign, stacklevel=5)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the compiled optimizers are built once.

@@ -364,7 +364,7 @@ def _shadow_step(opt: Any, scaling: Optional[Any]) -> None:
     """A joined rank's share of the active ranks' ``step()``, on what they sent."""
     try:
         opt._apply_changes()
-        opt._agree_grad_edits([])  # as the active ranks decide, after this packet
+        opt._agree_grad_edits(own=False)  # as the active ranks decide, after this packet
         opt._step_all(scaling)
         opt._last_step_unscaled = scaling is None
         opt._fresh = False

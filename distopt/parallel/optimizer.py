@@ -377,8 +377,8 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             )
         # Before anything is completed or stepped: restored, the next step() finishes this one.
         check_groups(self.param_groups, self._built)
-        self._check_params_unchanged()  # a cast between backward and step()
         if self.sync is not None:
+            self._check_params_unchanged()  # no reduction checked them
             self._local_step_and_average(scaling)
             self._last_step_unscaled = scaling is None
             return loss
@@ -438,10 +438,12 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                     stacklevel=3,
                 )
             if not stepped:
+                # A cast between backward and step() (the reduction checked them before).
+                self._check_params_unchanged()
                 if self._join_packet:  # some rank has joined: what this step reads
                     _join.send_step(self, scaling)
                 # After Join's packet: a joined rank agrees in its shadow of this step.
-                self._agree_grad_edits(self._edited_grads() if poisoned is None else [])
+                self._agree_grad_edits(own=poisoned is None)
                 self._step_all(scaling)
             self._last_step_unscaled = scaling is None
         finally:

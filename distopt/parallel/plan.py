@@ -207,17 +207,17 @@ class StepPlan(DataParallelState):
         changed in place since their bucket was reduced in this window."""
         return sorted(i for b in self._buckets if b.changed_since_step() for i in b.positions)
 
-    def _agree_grad_edits(self, edited: Optional[List[int]] = None) -> None:
+    def _agree_grad_edits(self, own: bool = True) -> None:
         """A step that waited for ``step()``: if the loop changed ``.grad`` after the
         reduction on any rank (clipping, a scaling), every later step waits too
         (``_next_plan``). Every rank decides alike (one all_reduce of one flag, only while
         undecided: sharded, where each bucket steps orders the gathers, and ranks that
-        disagreed would issue them in another order); a rank that has joined (Join) takes
-        part with ``edited=[]``."""
+        disagreed would issue them in another order). ``own=False``: this rank's gradients
+        are not the loop's (a rank that has joined under Join, a poisoned window), it takes
+        part with no edits."""
         if self._grads_edited or not self.overlap or self._eager is not None:
             return
-        if edited is None:
-            edited = self._edited_grads()
+        edited = self._edited_grads() if own else []
         anywhere = bool(edited)
         if self.world_size > 1:
             flag = torch.tensor([1 if edited else 0], dtype=torch.int64,

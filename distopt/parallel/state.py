@@ -97,6 +97,15 @@ class CompiledState:
             out[i] = value
         return out
 
+    #: Whether a load has warned that it gave this rank another rank's residuals.
+    _warned_residuals = False
+
+    def _warn_residuals_once(self, foreign: Optional[str], stacklevel: int) -> None:
+        """Warn ``foreign`` (``foreign_residuals``), the first time a load gives one."""
+        if foreign is not None and not self._warned_residuals:
+            self._warned_residuals = True
+            warnings.warn(foreign, stacklevel=stacklevel)
+
     def _adopt_groups(self, saved_groups: List[Dict[str, Any]]) -> None:
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -116,9 +125,6 @@ class DataParallelState(CompiledState):
     """``DataParallelOptimizer``'s state beyond the compiled steps' (or the eager
     optimizer's): residuals, the compression's state, ``RoundRobin``'s round; sharded, the
     pieces every rank holds."""
-
-    #: Whether a load has warned that it gave this rank another rank's residuals.
-    _warned_residuals = False
 
     def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
         """``state_dict``; without ``gather`` (sharded) this rank's pieces only, under
@@ -168,7 +174,8 @@ class DataParallelState(CompiledState):
                 loader = self._checked_loader(state_dict, plan, agreed=True)
             except Exception as exc:  # reported on every rank below
                 error = exc
-            _checkpoint.refuse_everywhere(self, error, "state_dict", "load_state_dict")
+            _checkpoint.refuse_everywhere(self, error, "state_dict", "load_state_dict()",
+                                          "load_state_dict")
             return loader
         check_groups(self.param_groups, self._built)
         eager, sharded = self._eager is not None, self.shard is not None
@@ -216,9 +223,7 @@ class DataParallelState(CompiledState):
             self._round = rounds
             load_codec()
             self._fresh = False
-            if foreign is not None and not self._warned_residuals:
-                self._warned_residuals = True
-                warnings.warn(foreign, stacklevel=5)
+            self._warn_residuals_once(foreign, stacklevel=6)
         return load
 
     def _load_plan(self, state_dict: Dict[str, Any]) -> Tuple[Any, Optional[Dict[int, Any]]]:
