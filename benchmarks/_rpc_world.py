@@ -19,6 +19,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
+from functional._compile import script
+
 logger = logging.getLogger(__name__)
 
 _sets: Dict[str, List[Tensor]] = {}
@@ -108,7 +110,7 @@ def stop_spinner() -> None:
     _spinner[0] = None
 
 
-@torch.jit.script
+@script  # torch.jit.script without torch 2.13's deprecation warning
 def script_echo(x: int) -> int:
     """A TorchScript RPC target that does nothing: the round trip's floor."""
     return x
@@ -133,7 +135,7 @@ def _cuda_synchronize_target():
     if not torch.cuda.is_available():
         return _cuda_synchronize
     try:
-        return torch.jit.script(_cuda_synchronize)
+        return script(_cuda_synchronize)
     except Exception as exc:  # TorchScript raises RuntimeError, NotSupportedError, OSError...
         logger.warning("cuda_synchronize runs in Python (TorchScript refused it: %s)", exc)
         return _cuda_synchronize
@@ -167,7 +169,7 @@ def timed_owner_step(optimizer_rref: rpc.RRef, autograd_ctx_id: int,
     start = clock()
     failure = owner.step_local_optimizer(optimizer_rref, autograd_ctx_id)
     elapsed = clock() - start
-    if failure is not None:
+    if not isinstance(failure, bool):  # the owner's RemoteFailure
         raise RuntimeError(f"owner step failed: {failure}")
     return elapsed
 

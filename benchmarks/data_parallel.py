@@ -99,7 +99,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from distopt.parallel import Cast, DataParallelOptimizer, RoundRobin, TopK  # noqa: E402
-from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
+with warnings.catch_warnings():  # torch.distributed.optim compiles its own classes at import
+    warnings.filterwarnings("ignore", message="`torch.jit.", category=DeprecationWarning)
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from distopt.parallel.sync import partition  # noqa: E402
 from benchmarks._machine import free_port, machine, wchar  # noqa: E402
 from benchmarks._plot import pyplot  # noqa: E402

@@ -21,6 +21,13 @@ The floor of a case: a local fused Adam step over the largest share one owner up
 one flat tensor (what flat parameter buffers can reach), plus the round trip of an empty
 TorchScript RPC.
 
+The empty-context check, per case: the work distopt adds to each step so that ``step`` can
+warn when its context holds no gradient of any parameter (``distopt.optimizer``), beside the
+case's step time. On the owner, ``any_gradient`` over the largest share one owner updates,
+compiled as the owner's step runs it (timed in a TorchScript loop, the call's own cost taken
+off): in a normal step it stops at the first parameter, in an empty context it looks at every
+one; on the trainer, the look at each owner's reply.
+
 ``--device cuda``: the same cases with every parameter on ``cuda:0``, the one GPU both owners
 share (the trainer uses it for the floor's local step). Only parameters, gradients and
 optimizer state are on the GPU: a set's loss leaves its owner on the CPU and its gradient
@@ -52,6 +59,7 @@ import statistics
 import sys
 import threading
 import time
+import timeit
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -70,6 +78,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 import distopt  # noqa: E402
 from benchmarks import _rpc_world as world  # noqa: E402
+from distopt.local_optimizer import any_gradient  # noqa: E402
 from benchmarks._machine import (  # noqa: E402
     add_device_argument,
     check_device,
@@ -210,6 +219,50 @@ def local_fused_adam_ms(count: int, numel: int, repeats: int, device: str = "cpu
     return median_ms(samples)
 
 
+@torch.jit.script
+def _any_gradient_times(grads: List[List[Optional[torch.Tensor]]], times: int) -> bool:
+    """``any_gradient(grads)`` ``times`` times in one TorchScript call (inlined there, as
+    in the owner's compiled step)."""
+    found = False
+    for _ in range(times):
+        found = any_gradient(grads)
+    return found
+
+
+def check_cost_us(count: int, owners: int, repeats: int, loops: int = 1000) -> Dict[str, float]:
+    """Median microseconds of the empty-context check's work in one step: ``owner``, the
+    owner's ``any_gradient`` over ``count`` parameters of which the first has a gradient
+    (a normal step); ``owner_empty``, over ``count`` without any (an empty context);
+    ``trainer``, the trainer's look at ``owners`` replies before it ever warned."""
+    grad = torch.zeros(1)
+    cases: Dict[str, List[List[Optional[torch.Tensor]]]] = {
+        "owner": [[grad] * count],
+        "owner_empty": [[None] * count],
+    }
+    out: Dict[str, float] = {}
+    for name, grads in cases.items():
+        _any_gradient_times(grads, loops)  # warm-up: TorchScript profiles the first calls
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _any_gradient_times(grads, 0)  # the call and its arguments' conversion
+            overhead = time.perf_counter() - start
+            start = time.perf_counter()
+            _any_gradient_times(grads, loops)
+            samples.append(max(0.0, time.perf_counter() - start - overhead) / loops)
+        out[name] = statistics.median(samples) * 1e6
+    found = {f"owner{i}": True for i in range(owners)}
+    warned = False
+    timer = timeit.Timer("not warned and not any(found.values())",
+                         globals={"warned": warned, "found": found})
+    empty = timeit.Timer("pass")
+    out["trainer"] = statistics.median(
+        max(0.0, a - b) / loops
+        for a, b in zip(timer.repeat(repeats, loops), empty.repeat(repeats, loops))
+    ) * 1e6
+    return out
+
+
 def round_trip_ms(func: Callable[[int], int], repeats: int = 200) -> float:
     """Median round trip of an RPC to owner1 that does nothing."""
     for _ in range(10):
@@ -344,6 +397,8 @@ def run(options: argparse.Namespace) -> List[str]:
     else:
         row(f"{'case':8}", f"{'distopt ms':>10}", f"{'torch ms':>9}", f"{'ratio':>6}",
             f"{'target':>7}", f"{'floor ms':>9}", f"{'owner1 ms':>9}", "met")
+    #: case -> (distopt's step ms, the check's costs in us: ``check_cost_us``)
+    checks: Dict[str, Tuple[float, Dict[str, float]]] = {}
     for case, layout in CASES.items():
         if options.only and case not in options.only:
             continue
@@ -370,7 +425,28 @@ def run(options: argparse.Namespace) -> List[str]:
         label = f"{case} ({shape})" if md else f"{case:8}"
         row(label, f"{ms['distopt']:10.2f}", f"{ms['torch']:9.2f}", f"{ratio:6.2f}",
             target, f"{floor:9.2f}", f"{owner_ms:9.2f}", met)
+        checks[case] = (ms["distopt"], check_cost_us(count, len(layout), options.repeats))
         logger.info("%s done", case)
+
+    if checks:
+        gap()
+        say(
+            "empty-context check (distopt's warning when a step's context holds no gradient): "
+            "the work it adds to a step, medians; owner: any_gradient over the largest share "
+            "one owner updates, in a normal step and in an empty context; trainer: the look "
+            "at every owner's reply"
+        )
+        if md:
+            row("case", "distopt step ms", "owner us", "owner us, empty context",
+                "trainer us", "(owner + trainer) / step")
+            row("---", "---:", "---:", "---:", "---:", "---:")
+        else:
+            row(f"{'case':8}", f"{'step ms':>8}", f"{'owner us':>9}", f"{'empty us':>9}",
+                f"{'trainer us':>10}", f"{'share':>8}")
+        for case, (step_ms, us) in checks.items():
+            share = (us["owner"] + us["trainer"]) / (step_ms * 1e3)
+            row(f"{case:8}", f"{step_ms:8.2f}", f"{us['owner']:9.3f}",
+                f"{us['owner_empty']:9.3f}", f"{us['trainer']:10.3f}", f"{share:8.4%}")
 
     if not options.only or "concurrent" in options.only:
         gap()

@@ -1,6 +1,7 @@
 """distopt: optimizers for parameters spread over torch.distributed.rpc workers."""
 from distopt.errors import DistributedOptimizerError, InvalidStateError
 from distopt.optimizer import DistributedOptimizer
+from functional._version import __version__  # one version for both packages
 
 __all__ = [
     "DistributedOptimizer",

@@ -23,6 +23,7 @@ __all__ = [
     "WeakIdKeyDictionary",
     "all_gather_flat",
     "current_context_id",
+    "ddp_ignored_names",
     "destroy_private_group",
     "init_optimizer_internals",
     "jit_enabled",
@@ -66,6 +67,16 @@ def known_worker_ids(context: Any) -> Any:
     Needed to know which owners surely hold the context: no public API tells.
     """
     return context._known_worker_ids()
+
+
+def ddp_ignored_names(ddp: Any) -> Any:
+    """The names of the parameters and buffers a DistributedDataParallel leaves alone.
+
+    Needed because DDP documents no accessor: it keeps the names it read from the module's
+    ``_ddp_params_and_buffers_to_ignore`` in its undocumented ``parameters_to_ignore``, set
+    before it assigns ``self.module``.
+    """
+    return getattr(ddp, "parameters_to_ignore", ())
 
 
 def jit_enabled() -> bool:

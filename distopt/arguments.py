@@ -37,10 +37,21 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
             ``functional.functional_optim_map``; or it runs eagerly and its ``step`` needs
             an argument (LBFGS's closure).
     """
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        cls = type(optimizer_class)
+        raise TypeError(
+            f"Invalid optimizer_class: an instance of {cls.__name__} (expected the class: "
+            f"pass {_class_path(cls)}, not an instance, and its options as keyword arguments)"
+        )
+    if isinstance(optimizer_class, torch.nn.Module):
+        raise TypeError(
+            f"Invalid optimizer_class: a {type(optimizer_class).__name__} module (expected an "
+            f"optimizer class, e.g. torch.optim.AdamW, first, then the parameters)"
+        )
     if not inspect.isclass(optimizer_class):
         raise TypeError(
-            f"Invalid optimizer_class: {optimizer_class!r} (expected a torch.optim.Optimizer "
-            f"subclass or a class in functional.functional_optim_map)"
+            f"Invalid optimizer_class: {_short_repr(optimizer_class)} (expected a "
+            f"torch.optim.Optimizer subclass or a class in functional.functional_optim_map)"
         )
     if not issubclass(optimizer_class, torch.optim.Optimizer) and (
         optimizer_class not in functional_optim_map
@@ -51,6 +62,23 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
         )
     if eager:
         _check_steps_without_closure(optimizer_class)
+
+
+def _class_path(cls: type) -> str:
+    """How a user names ``cls``: ``torch.optim.AdamW`` for torch.optim's classes, else its
+    module and qualified name."""
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` when it is one short line, else ``a <type> object``: a message stays
+    one line whatever was passed."""
+    text = repr(value)
+    if "\n" in text or len(text) > limit:
+        return f"a {type(value).__name__} object"
+    return text
 
 
 def _check_steps_without_closure(optimizer_class: type) -> None:

@@ -20,6 +20,7 @@ from distopt.context import check_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
 from distopt.layout import OwnerPart
+from functional._compile import script
 from functional._flat import layout
 
 
@@ -151,7 +152,7 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
         with _script_lock:  # TorchScript's compiler is not thread-safe
             found = _scripted.get(fn.__name__)
             if found is None:
-                found = torch.jit.script(fn)
+                found = script(fn)
                 _scripted[fn.__name__] = found
     return found
 

@@ -25,25 +25,31 @@ from typing import Any, List
 import torch
 from torch.distributed.rpc import RRef
 
+from functional._compile import quiet_scripting, script
+
 __all__ = [
     "ExclusiveStep", "register", "script_step", "script_step_with_empty", "switch_to_locked",
 ]
 
 
-@torch.jit.interface
 class ExclusiveStep:
     """What ``script_step`` calls on the scripted module behind the RRef."""
 
-    def step_exclusive(self, autograd_ctx_id: int) -> None:
+    def step_exclusive(self, autograd_ctx_id: int) -> bool:
         pass
 
-    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> bool:
         pass
 
 
-@torch.jit.script
-def script_step(optimizer: RRef[ExclusiveStep], autograd_ctx_id: int) -> None:
-    """TorchScript RPC target: one unlocked step of an exclusive local optimizer.
+with quiet_scripting():  # interface() resolves names from its caller's frame: here
+    torch.jit.interface(ExclusiveStep)
+
+
+@script
+def script_step(optimizer: RRef[ExclusiveStep], autograd_ctx_id: int) -> bool:
+    """TorchScript RPC target: one unlocked step of an exclusive local optimizer; returns
+    whether the context held a gradient of any of its parameters here.
 
     The RRef, not an int id, names the optimizer: a TorchScript function can reach no
     Python registry. Sent back to its owner it costs one extra message (the owner's child
@@ -52,18 +58,20 @@ def script_step(optimizer: RRef[ExclusiveStep], autograd_ctx_id: int) -> None:
     # ``distopt.owner.step`` (distopt.profiling): TorchScript cannot ask whether a profiler
     # runs, and an idle record_function costs 0.9 to 1.7 us here, once per owner step.
     with torch.autograd.profiler.record_function("distopt.owner.step"):
-        optimizer.local_value().step_exclusive(autograd_ctx_id)
+        found = optimizer.local_value().step_exclusive(autograd_ctx_id)
+    return found
 
 
-@torch.jit.script
+@script
 def script_step_with_empty(
     optimizer: RRef[ExclusiveStep], autograd_ctx_id: int, empty: List[List[int]]
-) -> None:
+) -> bool:
     """TorchScript RPC target: ``script_step``, where the parameters at positions
     ``empty[j]`` of local group ``j`` step even without a gradient in the context, with one
     holding no rows (see ``distopt.local_optimizer.empty_sparse_gradient``)."""
     with torch.autograd.profiler.record_function("distopt.owner.step"):
-        optimizer.local_value().step_exclusive_with_empty(autograd_ctx_id, empty)
+        found = optimizer.local_value().step_exclusive_with_empty(autograd_ctx_id, empty)
+    return found
 
 
 # ---------------------------------------------------------------- trainer side

@@ -45,6 +45,7 @@ from functional import (
 )
 from functional import _native
 from functional._common import dtype_name, layout_name
+from functional._compile import script
 from functional._kernels import unscale_gradients
 from functional._state import (
     checked_state,
@@ -53,6 +54,7 @@ from functional._state import (
     hyperparameter_values,
     settable_hyperparameters,
 )
+from functional._validation import hyperparameter_argument
 
 __all__ = [
     "Change",
@@ -60,6 +62,7 @@ __all__ = [
     "CompiledSteps",
     "EagerLocalOptimizer",
     "LocalOptimizer",
+    "any_gradient",
     "empty_sparse_gradient",
     "bump_versions",
     "check_step",
@@ -137,6 +140,20 @@ def _bump_script(params: List[Tensor], before: List[int]) -> None:
                 p = params[i]
                 # An in-place no-op, which autograd counts as any in-place change.
                 p.as_strided_(p.size(), p.stride(), p.storage_offset())
+
+
+def any_gradient(grads: List[List[Optional[Tensor]]]) -> bool:
+    """Whether any group's gradients hold one that is not None: what an owner's step
+    replies, so that the trainer can warn when no owner found any (``distopt.optimizer``).
+
+    It stops at the first gradient, the first look in a normal step; TorchScript inlines it
+    into the compiled step (its cost: ``benchmarks/rpc_step.py``, "empty-context check").
+    """
+    for gs in grads:
+        for g in gs:
+            if g is not None:
+                return True
+    return False
 
 
 # A build of the native library older than these ops (another process's) has ``lookup``.
@@ -269,12 +286,13 @@ class LocalOptimizer(abc.ABC):
         id: the key steps send instead of the RRef: an int pickles cheaply, and an RRef
             sent back to its owner costs the RRef protocol's extra messages at every step.
         step_context: ``step_context(autograd_ctx_id)``: one step with the context's
-            gradients, unlocked; parameters without one are skipped.
+            gradients, unlocked; parameters without one are skipped. Returns whether the
+            context held a gradient of any of them.
     """
 
     #: Whether the step is a compiled TorchScript module (which may then be exclusive).
     compiled = False
-    step_context: Callable[[int], None]
+    step_context: Callable[[int], bool]
 
     def __init__(
         self,
@@ -329,10 +347,10 @@ class LocalOptimizer(abc.ABC):
         return locks.holding(self.locks)
 
     @abc.abstractmethod
-    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> bool:
         """``step_context``, where the parameters at positions ``empty[j]`` of local group
         ``j`` that the context gives no gradient (or that have no context here) step with
-        ``empty_sparse_gradient``; unlocked."""
+        ``empty_sparse_gradient``; unlocked. Returns whether any parameter stepped."""
 
     @abc.abstractmethod
     def describe_failure(self, message: str, autograd_ctx_id: int) -> Tuple[str, str]:
@@ -506,33 +524,36 @@ class _FunctionalGroups(torch.nn.Module):
         self.checked = False
         self.stepped = 0
 
-    def forward(self, autograd_ctx_id: int) -> None:
-        self.step_context(autograd_ctx_id)
+    def forward(self, autograd_ctx_id: int) -> bool:
+        return self.step_context(autograd_ctx_id)
 
     @torch.jit.export
-    def step_exclusive(self, autograd_ctx_id: int) -> None:
+    def step_exclusive(self, autograd_ctx_id: int) -> bool:
         """``step_context`` without the locks, for an optimizer that nobody shares."""
         if self.refusal != "":
             raise RuntimeError(self.refusal)
-        self.step_context(autograd_ctx_id)
+        return self.step_context(autograd_ctx_id)
 
     @torch.jit.export
-    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
+    def step_exclusive_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> bool:
         """``step_with_empty`` without the locks, in a context this worker holds."""
         if self.refusal != "":
             raise RuntimeError(self.refusal)
-        self._step_gradients(autograd_ctx_id, dist_autograd.get_gradients(autograd_ctx_id), empty)
+        return self._step_gradients(
+            autograd_ctx_id, dist_autograd.get_gradients(autograd_ctx_id), empty
+        )
 
     @torch.jit.export
-    def step_context(self, autograd_ctx_id: int) -> None:
-        """Step every group with the gradients the context holds; others are skipped."""
+    def step_context(self, autograd_ctx_id: int) -> bool:
+        """Step every group with the gradients the context holds; others are skipped.
+        Returns whether the context held a gradient of any parameter here."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        self._step_checked(autograd_ctx_id, self._gradients(grads_by_param))
+        return self._step_checked(autograd_ctx_id, self._gradients(grads_by_param))
 
     @torch.jit.export
     def step_with_empty(
         self, autograd_ctx_id: int, in_context: bool, empty: List[List[int]]
-    ) -> None:
+    ) -> bool:
         """``step_context``, where the parameters at positions ``empty[j]`` of group ``j``
         that the context gives no gradient step with a sparse gradient holding no rows.
 
@@ -542,17 +563,17 @@ class _FunctionalGroups(torch.nn.Module):
         grads_by_param = torch.jit.annotate(Dict[Tensor, Tensor], {})
         if in_context:
             grads_by_param = dist_autograd.get_gradients(autograd_ctx_id)
-        self._step_gradients(autograd_ctx_id, grads_by_param, empty)
+        return self._step_gradients(autograd_ctx_id, grads_by_param, empty)
 
     def _step_gradients(
         self, autograd_ctx_id: int, grads_by_param: Dict[Tensor, Tensor], empty: List[List[int]]
-    ) -> None:
+    ) -> bool:
         grads = self._gradients(grads_by_param)
         for j in range(len(self.optims)):
             for k in empty[j]:
                 if grads[j][k] is None:
                     grads[j][k] = empty_sparse_gradient(self.params[j][k])
-        self._step_checked(autograd_ctx_id, grads)
+        return self._step_checked(autograd_ctx_id, grads)
 
     def _gradients(self, grads_by_param: Dict[Tensor, Tensor]) -> List[List[Optional[Tensor]]]:
         """Each group's gradients in the context (None where it holds none)."""
@@ -561,12 +582,15 @@ class _FunctionalGroups(torch.nn.Module):
             grads.append(lookup_gradients(grads_by_param, self.params[j]))
         return grads
 
-    def _step_checked(self, autograd_ctx_id: int, grads: List[List[Optional[Tensor]]]) -> None:
+    def _step_checked(self, autograd_ctx_id: int, grads: List[List[Optional[Tensor]]]) -> bool:
         """Refuse, before any group steps, a gradient its group cannot take; then step the
-        groups in order, bumping the version counters of the parameters each stepped."""
+        groups in order, bumping the version counters of the parameters each stepped.
+        Returns whether any parameter had a gradient (the trainer warns when none had, on
+        any owner: ``distopt.optimizer``)."""
         self.attempt = autograd_ctx_id
         self.checked = False
         self.stepped = 0
+        found = any_gradient(grads)
         befores = torch.jit.annotate(List[List[int]], [])
         for j in range(len(self.optims)):
             k, before = check_step(self.params[j], grads[j], self.kinds[j])
@@ -583,6 +607,7 @@ class _FunctionalGroups(torch.nn.Module):
             self.optims[j].step(grads[j])
             bump_versions(self.params[j], befores[j])
             self.stepped = j + 1
+        return found
 
     @torch.jit.export
     def step_group(self, group: int, gradients: List[Optional[Tensor]]) -> None:
@@ -700,7 +725,7 @@ class CompiledSteps:
             module = _FunctionalGroups(
                 functional_cls, group_params, group_kwargs, tuple(args), flat
             )
-            self.module: Any = torch.jit.script(module)
+            self.module: Any = script(module)
         self.group_params = group_params
         self.global_indices = global_indices
         self.optimizer_class = optimizer_class
@@ -761,9 +786,10 @@ class CompiledSteps:
         """Which of the hyper-parameters ``keys`` can change between steps; None: all."""
         return settable_hyperparameters(_GroupView(self.module, 0), keys)
 
-    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter of one group."""
-        self.module.set_hyperparameter(group, name, value)
+    def set_hyperparameter(self, group: int, name: str, value: Any) -> None:
+        """Change a hyper-parameter of one group: ``value`` as the functional classes'
+        ``set_hyperparameter`` takes it (a float, or a list of floats)."""
+        self.module.set_hyperparameter(group, name, hyperparameter_argument(name, value))
 
     def close(self) -> None:
         """Drop the module and its state."""
@@ -824,7 +850,7 @@ class CompiledLocalOptimizer(CompiledSteps, LocalOptimizer):
         if any(name == "weight_decay" for _, name, _ in changes):
             self._set_gradient_rules()
 
-    def set_hyperparameter(self, group: int, name: str, value: List[float]) -> None:
+    def set_hyperparameter(self, group: int, name: str, value: Any) -> None:
         CompiledSteps.set_hyperparameter(self, group, name, value)
         if name == "weight_decay":
             self._set_gradient_rules()
@@ -835,8 +861,8 @@ class CompiledLocalOptimizer(CompiledSteps, LocalOptimizer):
         CompiledSteps.load_torch_state(self, hyperparameters, state)
         self._set_gradient_rules()
 
-    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
-        self.module.step_with_empty(autograd_ctx_id, has_context(autograd_ctx_id), empty)
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> bool:
+        return self.module.step_with_empty(autograd_ctx_id, has_context(autograd_ctx_id), empty)
 
     def describe_failure(self, message: str, autograd_ctx_id: int) -> Tuple[str, str]:
         """The scripted step's record: refused before any group stepped (the refusal says
@@ -916,10 +942,11 @@ class EagerLocalOptimizer(LocalOptimizer):
         autograd_ctx_id: int,
         empty: Optional[List[List[int]]] = None,
         in_context: bool = True,
-    ) -> None:
+    ) -> bool:
         """Step with the context's gradients; ``empty`` and ``in_context`` as in
         ``step_with_empty``. Gradients are checked first, and parameters the class stepped
-        without bumping their version counters (a fused torch.optim step) get one bump."""
+        without bumping their version counters (a fused torch.optim step) get one bump.
+        Returns whether any parameter had a gradient."""
         grads_by_param = dist_autograd.get_gradients(autograd_ctx_id) if in_context else {}
         grads = [[grads_by_param.get(p) for p in params] for params in self.group_params]
         for j, positions in enumerate(empty or []):
@@ -949,6 +976,7 @@ class EagerLocalOptimizer(LocalOptimizer):
         for k in self._stepping:
             if _torch.version(self.params[k]) == self._before[k]:
                 torch.autograd.graph.increment_version(self.params[k])
+        return bool(self._stepping)
 
     def describe_failure(self, message: str, autograd_ctx_id: int) -> Tuple[str, str]:
         """Which parameters the failed step changed in place, by their version counters (a
@@ -972,8 +1000,8 @@ class EagerLocalOptimizer(LocalOptimizer):
         return (f"{message} (part-way through the step on {self.owner}: {said}, by their "
                 f"autograd version counters)", "part")
 
-    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> None:
-        self.step_context(autograd_ctx_id, empty, has_context(autograd_ctx_id))
+    def step_with_empty(self, autograd_ctx_id: int, empty: List[List[int]]) -> bool:
+        return self.step_context(autograd_ctx_id, empty, has_context(autograd_ctx_id))
 
     def apply_changes(self, changes: Sequence[Change]) -> None:
         for group, name, value in changes:

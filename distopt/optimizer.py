@@ -7,6 +7,7 @@ its param groups, to the modules that run its other rounds (``distopt.state``,
 import inspect
 import logging
 import threading
+import warnings
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
@@ -144,6 +145,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()
         #: Owners that switched this optimizer to the locked path (``_switch_to_locked``).
         self._locked_owners: Set[str] = set()
+        #: Whether a step already warned that its context held no gradient (once each).
+        self._warned_no_gradients = False
         self._owners: List[OwnerPart] = []
         # Registered before any owner hears of it: an owner may switch it mid-construction.
         self._key = exclusive.register(self)
@@ -273,8 +276,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Blocks until every owner has replied. Owners that received no gradient in this
         context leave their parameters as they are (but see ``distopt.sparse``: a sharded
-        table steps on every owner when it got a gradient). Hyper-parameters changed in
-        ``param_groups`` since the last step travel with this step's RPCs.
+        table steps on every owner when it got a gradient). When no owner found a gradient
+        of any parameter (``loss.backward()`` instead of ``dist_autograd.backward``, or a
+        step before the backward pass), nothing changes and a ``UserWarning`` naming the
+        context says so, once per optimizer. Hyper-parameters changed in ``param_groups``
+        since the last step travel with this step's RPCs.
 
         Args:
             context_id: the id of the live distributed autograd context whose backward pass
@@ -331,12 +337,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     args = (part.id, context_id)
                 calls[part.name] = (part.info, owner.step_local_optimizer, args)
             try:
-                fan_out("step", calls)
+                found = fan_out("step", calls)
             except DistributedOptimizerError as exc:
                 described = _described_step_error(exc, calls, self._owners, context_id)
                 raise described from exc.__cause__
             for g, values in changes.items():
                 self._sent[g].update({k: snapshot(v) for k, v in values.items()})
+            # Each owner replied whether the context held a gradient of its parameters.
+            if not self._warned_no_gradients and not any(found.values()):
+                self._warn_no_gradients(context_id)
+
+    def _warn_no_gradients(self, context_id: int) -> None:
+        """Warn, once for this optimizer, that a step's context held no gradient of any of
+        its parameters: torch's DistributedOptimizer returns silently there."""
+        self._warned_no_gradients = True
+        warnings.warn(
+            f"{type(self).__name__}.step({context_id}): the distributed autograd context "
+            f"{context_id} holds no gradient of any of this optimizer's parameters, so none "
+            f"changed. Likely cause: the loss was back-propagated with loss.backward() "
+            f"instead of dist_autograd.backward(context_id, [loss]), or step() ran before "
+            f"the backward pass (warned once per optimizer)",
+            UserWarning, stacklevel=4,  # here, step(), torch.optim's step wrapper, the caller
+        )
 
     def _before_step(self, context_id: int) -> None:
         """What a subclass must do on the owners before each step, under the step's lock
@@ -387,8 +409,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format, gathered from every owner in parallel, with
-        torch's state-dict hooks (``register_state_dict_pre_hook`` / ``_post_hook``) run
-        around it as torch.optim runs them.
+        torch's state-dict hooks (``register_state_dict_pre_hook`` /
+        ``register_state_dict_post_hook``) run around it as torch.optim runs them.
 
         Returns:
             ``{"state": {index: {key: value}}, "param_groups": [{..., "params": [index, ...]}]}``
@@ -406,7 +428,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict from a DistributedOptimizer or a local torch.optim optimizer,
-        with torch's load hooks (``register_load_state_dict_pre_hook`` / ``_post_hook``) run
+        with torch's load hooks (``register_load_state_dict_pre_hook`` /
+        ``register_load_state_dict_post_hook``) run
         around it.
 
         Everything is checked on the trainer before any owner changes; then each owner gets

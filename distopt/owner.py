@@ -185,7 +185,7 @@ def step_local_optimizer(
     autograd_ctx_id: int,
     changes: Optional[List[Change]] = None,
     empty: Optional[List[List[int]]] = None,
-) -> Optional[RemoteFailure]:
+) -> Union[bool, RemoteFailure]:
     """RPC target of every locked step: lock, apply piggybacked changes, one call, unlock.
 
     An owner that took no part in the backward pass has no such context: it only applies
@@ -201,7 +201,9 @@ def step_local_optimizer(
             ``distopt.local_optimizer.empty_sparse_gradient``).
 
     Returns:
-        None, or a ``RemoteFailure`` saying what the step applied here (``applied``).
+        Whether the context held a gradient of any of the optimizer's parameters here (the
+        trainer warns when no owner found one), or a ``RemoteFailure`` saying what the step
+        applied here (``applied``).
     """
     local: Optional[LocalOptimizer] = None
     try:
@@ -222,21 +224,21 @@ def step_local_optimizer(
             local.synchronize()  # the backward pass's gradients are complete
             try:
                 if empty:
-                    local.step_with_empty(autograd_ctx_id, empty)
+                    found = local.step_with_empty(autograd_ctx_id, empty)
                 else:
-                    local.step_context(autograd_ctx_id)
+                    found = local.step_context(autograd_ctx_id)
             except Exception as exc:
                 if not empty and not has_context(autograd_ctx_id):
-                    return None  # see below
+                    return False  # see below
                 # Under the locks: no other step can have changed the record.
                 message, applied = local.describe_failure(exception_message(exc), autograd_ctx_id)
                 return RemoteFailure.from_exception(exc, applied, message)
             local.synchronize()  # the update is complete before the reply
-        return None
+        return found
     except Exception as exc:
         # Asked only after a failure (one C++ call): an owner outside the context skips.
         if not empty and not has_context(autograd_ctx_id):
-            return None
+            return False
         return RemoteFailure.from_exception(exc, applied="none" if local is None else None)
 
 
@@ -263,7 +265,7 @@ def release_local_optimizer(optimizer_rref: rpc.RRef) -> None:
 
 
 def set_local_hyperparameter(
-    optimizer_rref: rpc.RRef, name: str, value: List[float], group: Optional[int] = None
+    optimizer_rref: rpc.RRef, name: str, value: Any, group: Optional[int] = None
 ) -> None:
     """RPC target: change a hyper-parameter of a compiled local optimizer, under its locks.
 
@@ -272,7 +274,7 @@ def set_local_hyperparameter(
     Args:
         optimizer_rref: the local optimizer.
         name: the hyper-parameter.
-        value: its new value, as a list of floats.
+        value: its new value: a float, or a list of floats (``[0.9, 0.999]`` for betas).
         group: the local group to change; None changes every group.
 
     Raises:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from distopt._torch import PyRRef
 from distopt.arguments import constructor_keywords
-from functional._validation import duplicate_pair
+from functional._validation import check_not_module, duplicate_pair
 
 
 @dataclasses.dataclass
@@ -55,6 +55,8 @@ def normalize_param_groups(params_rref: Iterable[Any]) -> List[Dict[str, Any]]:
         ValueError: there are no parameters, a group has none or lacks ``"params"``, or
             one RRef is given twice (the owners refuse two RRefs to one tensor too).
     """
+    check_not_module("params_rref", params_rref, "RRefs",
+                     "[rpc.RRef(p) for p in model.parameters()] on the parameters' owner")
     try:
         items = list(params_rref)
     except TypeError:

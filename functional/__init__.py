@@ -8,6 +8,7 @@ from functional._flat import FLAT_CLASSES, flatten_parameters
 from functional._registry import functional_optim_map, register_functional_optimizer
 from functional._scripted import ScriptedOptimizer, script_optimizer
 from functional._state import load_torch_state_dict, to_torch_state_dict
+from functional._version import __version__
 from functional.adadelta import FunctionalAdadelta
 from functional.adafactor import FunctionalAdafactor
 from functional.adagrad import FunctionalAdagrad
@@ -22,27 +23,30 @@ from functional.rprop import FunctionalRprop
 from functional.sgd import FunctionalSGD
 from functional.sparse_adam import FunctionalSparseAdam
 
+# In the order a newcomer reads them (the API page follows it): one class per algorithm,
+# as the functional guide lists them, then compiling, the registry, state conversion, flat
+# buffers.
 __all__ = [
-    "FLAT_CLASSES",
-    "FunctionalASGD",
-    "FunctionalAdadelta",
-    "FunctionalAdafactor",
-    "FunctionalAdagrad",
+    "FunctionalSGD",
     "FunctionalAdam",
     "FunctionalAdamW",
+    "FunctionalAdagrad",
+    "FunctionalAdadelta",
     "FunctionalAdamax",
-    "FunctionalMuon",
-    "FunctionalNAdam",
-    "FunctionalRAdam",
     "FunctionalRMSprop",
     "FunctionalRprop",
-    "FunctionalSGD",
+    "FunctionalNAdam",
+    "FunctionalRAdam",
+    "FunctionalASGD",
+    "FunctionalAdafactor",
     "FunctionalSparseAdam",
-    "ScriptedOptimizer",
-    "flatten_parameters",
-    "functional_optim_map",
-    "load_torch_state_dict",
-    "register_functional_optimizer",
+    "FunctionalMuon",
     "script_optimizer",
+    "ScriptedOptimizer",
+    "functional_optim_map",
+    "register_functional_optimizer",
     "to_torch_state_dict",
+    "load_torch_state_dict",
+    "flatten_parameters",
+    "FLAT_CLASSES",
 ]

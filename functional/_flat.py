@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from functional import _native
+from functional._compile import script
 from functional._torch import chunk_cat, is_view, storage_use_count
 
 
-@torch.jit.script
+@script
 class FlatBuffer(object):
     """One flat parameter buffer and the state kept flat beside it.
 
@@ -84,7 +85,7 @@ class FlatBuffer(object):
         self.valid = False
 
 
-@torch.jit.script
+@script
 class Groups(object):
     """How an optimizer's parameters are stepped: ``dense`` index groups of one (device,
     dtype) each, stepped per parameter, and ``flats``, flat buffers stepped whole when they

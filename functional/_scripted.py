@@ -4,10 +4,13 @@ TorchScript hands a class-typed attribute back to Python as a copy, so a scripte
 hyper-parameters and state are changed through the methods exported here, which run inside
 the compiled code.
 """
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
+
+from functional._compile import script
+from functional._validation import hyperparameter_argument
 
 
 class ScriptedOptimizer(torch.nn.Module):
@@ -36,7 +39,8 @@ class ScriptedOptimizer(torch.nn.Module):
 
     @torch.jit.export
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change a hyper-parameter (lr, betas, ...) for the following steps."""
+        """Change a hyper-parameter (lr, betas, ...) for the following steps: ``value`` is a
+        list (``[1e-4]``, ``[0.9, 0.999]``); from ``script_optimizer``, a float alone too."""
         self.optim.set_hyperparameter(name, value)
 
     @torch.jit.export
@@ -61,10 +65,24 @@ class ScriptedOptimizer(torch.nn.Module):
 def script_optimizer(optim: object) -> torch.jit.ScriptModule:
     """Compile a functional optimizer instance; returns a ``ScriptedOptimizer`` module.
 
+    Its ``set_hyperparameter`` takes a float alone as well as a list, as the eager
+    optimizer's does (``set_hyperparameter("lr", 1e-4)``).
+
     Args:
         optim: an instance of a functional optimizer class.
 
     Returns:
         The scripted module; call ``.step(gradients)`` on it.
     """
-    return torch.jit.script(ScriptedOptimizer(optim))
+    module = script(ScriptedOptimizer(optim))
+    # The compiled method takes List[float] only, and TorchScript's Union[float, List[float]]
+    # would refuse an int and a list of ints: called from Python, the module converts first.
+    # The compiled method stays what TorchScript callers and torch.jit.save see.
+    compiled = module.set_hyperparameter
+
+    def set_hyperparameter(name: str, value: Any) -> None:
+        compiled(name, hyperparameter_argument(name, value))
+
+    set_hyperparameter.__doc__ = ScriptedOptimizer.set_hyperparameter.__doc__
+    module.__dict__["set_hyperparameter"] = set_hyperparameter
+    return module

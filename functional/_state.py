@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
+from functional._scripted import ScriptedOptimizer
 from functional._validation import argument_hints, check_type
 
 _NOT_GROUP_KEYS = ("self", "params")
@@ -24,8 +25,9 @@ _INT_STEP_CLASSES = ("SparseAdam",)
 
 
 def _instance(optim: Any) -> Any:
-    """The functional optimizer object (a Python copy sharing tensors, for a scripted one)."""
-    if isinstance(optim, torch.jit.ScriptModule):
+    """The functional optimizer object (a Python copy sharing tensors, for a scripted one;
+    the object itself from ``script_optimizer`` under ``PYTORCH_JIT=0``)."""
+    if isinstance(optim, (torch.jit.ScriptModule, ScriptedOptimizer)):
         return optim.optim
     return optim
 

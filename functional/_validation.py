@@ -8,7 +8,7 @@ import functools
 import inspect
 import numbers
 import typing
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -23,15 +23,18 @@ TORCH_DUPLICATE_WARNING = (
 )
 
 
-def check_params(params: List[Tensor]) -> None:
-    """``params`` must be a non-empty list of distinct tensors.
+def check_params(params: Iterable[Tensor]) -> List[Tensor]:
+    """``params`` as a list: any iterable of distinct tensors (a list, a tuple, a generator
+    such as ``model.parameters()``), not empty, as torch.optim takes them.
+
+    Returns:
+        ``params`` itself when it is a list, else a new list of its items.
 
     Raises:
-        TypeError: not a list, or an item is not a Tensor.
-        ValueError: the list is empty, or holds one tensor twice (named by both indices).
+        TypeError: a module, a single Tensor or a non-iterable, or an item is not a Tensor.
+        ValueError: there is none, or one tensor is given twice (named by both indices).
     """
-    if not isinstance(params, (list, tuple)):
-        raise TypeError(f"Invalid params: {type(params).__name__} (expected a list of Tensors)")
+    params = iterable_argument("params", params, "Tensors")
     if len(params) == 0:
         raise ValueError("Invalid params: [] (expected at least one Tensor)")
     for i, p in enumerate(params):
@@ -44,6 +47,73 @@ def check_params(params: List[Tensor]) -> None:
             f"(expected each tensor once; torch.optim warns \"{TORCH_DUPLICATE_WARNING}\" and "
             f"steps it once per occurrence, with results its kernels do not agree on)"
         )
+    return params
+
+
+def iterable_argument(
+    name: str, value: Any, of: str, fix: str = "model.parameters()"
+) -> List[Any]:
+    """``value``, an iterable of ``of`` (torch.optim's ``params``), as a list: itself when it
+    is one. ``fix`` is what the messages say to pass instead of a module.
+
+    Raises:
+        TypeError: a ``torch.nn.Module`` (its parameters were meant), a single Tensor, or
+            something that is not iterable; each in one line that names the fix.
+    """
+    check_not_module(name, value, of, fix)
+    if isinstance(value, Tensor):
+        raise TypeError(
+            f"Invalid {name}: a Tensor (expected an iterable of {of}, e.g. {fix}; put one "
+            f"Tensor in a list)"
+        )
+    if isinstance(value, list):
+        return value
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(
+            f"Invalid {name}: {type(value).__name__} (expected an iterable of {of}, e.g. {fix})"
+        ) from None
+
+
+def check_not_module(name: str, value: Any, of: str, fix: str) -> None:
+    """Refuse a ``torch.nn.Module`` given for an iterable of ``of`` (a model for its
+    parameters), in one line that says to pass ``fix``.
+
+    Raises:
+        TypeError: ``value`` is a module.
+    """
+    if isinstance(value, torch.nn.Module):
+        raise TypeError(
+            f"Invalid {name}: a {type(value).__name__} module (expected an iterable of {of}: "
+            f"pass {fix})"
+        )
+
+
+def hyperparameter_argument(name: str, value: Any) -> List[float]:
+    """``set_hyperparameter(name, value)``'s ``value`` as the list of floats every class
+    takes (compiled, it takes nothing else): a number alone stands for a list of that one
+    (``set_hyperparameter("lr", 1e-4)``), a list or tuple gives its numbers
+    (``[0.9, 0.999]`` for betas); a number may be an int, a numpy number or a one-element
+    Tensor. Called under ``if not torch.jit.is_scripting():``, as the constructors' checks.
+
+    Raises:
+        TypeError: anything else, naming the hyper-parameter, the value and the forms taken.
+    """
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if all(_is_number(v) for v in items):
+        return [float(v) for v in items]
+    raise TypeError(
+        f"Invalid set_hyperparameter({name!r}, value): {value!r} (expected a float, or a "
+        f"list of floats: 1e-4 or [1e-4], or [0.9, 0.999] for a pair such as betas)"
+    )
+
+
+def _is_number(value: Any) -> bool:
+    """A real number that is not a bool: Python's, numpy's, or a one-element Tensor."""
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def duplicate_pair(items: Sequence[Any]) -> Optional[Tuple[int, int]]:

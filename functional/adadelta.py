@@ -11,6 +11,7 @@ from functional._validation import (
     check_lr,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     new_lr,
@@ -103,11 +104,12 @@ class FunctionalAdadelta:
         \theta_t &= \theta_{t-1} - \gamma \Delta_t
 
     torch has no fused Adadelta: CPU steps run on this project's fused kernel where it was
-    built (``functional._native``), else and with ``foreach=True`` or ``capturable=True`` on
+    built (at the first import), else and with ``foreach=True`` or ``capturable=True`` on
     the foreach kernels; sparse gradients are rejected, as torch.optim rejects them.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: factor applied to each update (a float or a 1-element Tensor).
         rho: decay rate of the running averages.
         eps: term added inside the square roots for numerical stability.
@@ -137,7 +139,7 @@ class FunctionalAdadelta:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdadelta)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalAdadelta, locals())
             check_lr(lr)
             check_in_range("rho", rho, 0.0, 1.0, False)
@@ -166,6 +168,8 @@ class FunctionalAdadelta:
 
         Values are lists so that every class shares the signature (pairs take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "rho":

@@ -13,6 +13,7 @@ from functional._validation import (
     check_dense_real_params,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     new_lr,
@@ -237,13 +238,14 @@ class FunctionalAdafactor:
 
     :math:`\epsilon_1` = None means the machine epsilon of the first updated parameter's
     dtype, as in torch.optim. CPU steps run on this project's fused kernel where it was built
-    (``functional._native``: the norms and the row and column means in one pass over the
+    (built at the first import: the norms and the row and column means in one pass over the
     gradient, the update's norm in a second, the update in a third), else and with
     ``foreach=True`` on ``torch._foreach_*`` kernels (torch.optim uses them only with
     ``foreach=True``; its per-tensor loop computes the same values).
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: upper bound of the relative step size and weight-decay factor (a float or a
             1-element Tensor).
         beta2_decay: exponent of the step in the second-moment decay rate, <= 0.
@@ -272,7 +274,7 @@ class FunctionalAdafactor:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdafactor)
-            check_params(params)
+            params = check_params(params)
             check_dense_real_params(params, "Adafactor")
             check_types(FunctionalAdafactor, locals())
             check_lr(lr)
@@ -300,6 +302,8 @@ class FunctionalAdafactor:
         Values are lists so that every class shares the signature. ``eps`` takes two values
         (epsilon1, epsilon2), or one value, epsilon2, which sets epsilon1 to None.
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "beta2_decay":

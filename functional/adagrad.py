@@ -13,6 +13,7 @@ from functional._validation import (
     check_lr,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     new_lr,
@@ -159,7 +160,8 @@ class FunctionalAdagrad:
     does, and only the rows they hold change.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         lr_decay: learning-rate decay per step.
         weight_decay: L2 penalty (not allowed with sparse gradients).
@@ -193,7 +195,7 @@ class FunctionalAdagrad:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdagrad)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalAdagrad, locals())
             check_lr(lr)
             check_at_least("lr_decay", lr_decay, 0.0)
@@ -235,6 +237,8 @@ class FunctionalAdagrad:
 
         Values are lists so that every class shares the signature (pairs take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "lr_decay":

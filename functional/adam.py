@@ -20,6 +20,7 @@ from functional._validation import (
     check_no_tensor_lr_with_foreach,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     new_lr,
@@ -166,7 +167,8 @@ class FunctionalAdam:
     ``fused=False`` or ``foreach=True`` selects the foreach kernels.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         betas: coefficients of the running averages of the gradient and its square (two
             floats, or two 1-element Tensors read at every step, so that changing them in
@@ -208,7 +210,7 @@ class FunctionalAdam:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdam)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalAdam, locals())
             check_no_tensor_lr_with_foreach(lr, foreach, capturable)
             check_lr(lr)
@@ -249,6 +251,8 @@ class FunctionalAdam:
 
         Values are lists so that every class shares the signature (betas take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "betas":

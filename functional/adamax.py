@@ -5,7 +5,14 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
+from functional._validation import (
+    check_at_least,
+    check_betas,
+    check_lr,
+    check_params,
+    check_types,
+    hyperparameter_argument,
+)
 from functional._common import (
     new_lr,
     index_of,
@@ -107,11 +114,12 @@ class FunctionalAdamax:
         \theta_t &= \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \frac{m_t}{u_t}
 
     torch has no fused Adamax kernel: CPU steps run on this project's fused kernel where it
-    was built (``functional._native``), else and with ``foreach=True`` or ``capturable=True``
+    was built (at the first import), else and with ``foreach=True`` or ``capturable=True``
     on the foreach kernels.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         betas: coefficients of the running average of the gradient and of the decay of the
             infinity norm.
@@ -143,7 +151,7 @@ class FunctionalAdamax:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdamax)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalAdamax, locals())
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
@@ -172,6 +180,8 @@ class FunctionalAdamax:
 
         Values are lists so that every class shares the signature (betas take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "betas":

@@ -5,7 +5,13 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_lr, check_params, check_types
+from functional._validation import (
+    check_at_least,
+    check_lr,
+    check_params,
+    check_types,
+    hyperparameter_argument,
+)
 from functional._common import (
     new_lr,
     index_of,
@@ -139,12 +145,13 @@ class FunctionalASGD:
         \mu_t &= 1 / \max(1, t - t_0)
 
     with :math:`\eta_0 = \gamma` and :math:`\mu_0 = 1`. torch has no fused ASGD: CPU steps
-    run on this project's fused kernel where it was built (``functional._native``), else and
+    run on this project's fused kernel where it was built (at the first import), else and
     with ``foreach=True`` or ``capturable=True`` on the foreach kernels; sparse gradients are
     rejected, as torch.optim rejects them.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         lambd: decay term.
         alpha: power of the step-size decay.
@@ -178,7 +185,7 @@ class FunctionalASGD:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalASGD)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalASGD, locals())
             check_lr(lr)
             check_at_least("weight_decay", weight_decay, 0.0)
@@ -207,6 +214,8 @@ class FunctionalASGD:
 
         Values are lists so that every class shares the signature (pairs take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "lambd":

@@ -16,6 +16,7 @@ from functional._validation import (
     check_dense_real_params,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     index_of,
@@ -143,7 +144,7 @@ class FunctionalMuon:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalMuon)
-            check_params(params)
+            params = check_params(params)
             check_dense_real_params(params, "Muon")
             check_types(FunctionalMuon, locals())
             check_lr(lr)
@@ -180,6 +181,8 @@ class FunctionalMuon:
         Values are lists so that every class shares the signature (ns_coefficients take
         three).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = scalar(name, value)
         elif name == "weight_decay":

@@ -5,7 +5,14 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_betas, check_lr, check_params, check_types
+from functional._validation import (
+    check_at_least,
+    check_betas,
+    check_lr,
+    check_params,
+    check_types,
+    hyperparameter_argument,
+)
 from functional._common import (
     new_lr,
     index_of,
@@ -157,11 +164,12 @@ class FunctionalNAdam:
             \left(\sqrt{v_t / (1 - \beta_2^t)} + \epsilon\right)
 
     torch has no fused NAdam kernel: CPU steps run on this project's fused kernel where it
-    was built (``functional._native``), else and with ``foreach=True`` or ``capturable=True``
+    was built (at the first import), else and with ``foreach=True`` or ``capturable=True``
     on the foreach kernels.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         betas: coefficients of the running averages of the gradient and its square.
         eps: term added to the denominator for numerical stability.
@@ -198,7 +206,7 @@ class FunctionalNAdam:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalNAdam)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalNAdam, locals())
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
@@ -231,6 +239,8 @@ class FunctionalNAdam:
 
         Values are lists so that every class shares the signature (betas take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "betas":

@@ -5,7 +5,13 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_at_least, check_lr, check_params, check_types
+from functional._validation import (
+    check_at_least,
+    check_lr,
+    check_params,
+    check_types,
+    hyperparameter_argument,
+)
 from functional._common import (
     new_lr,
     index_of,
@@ -134,11 +140,12 @@ class FunctionalRMSprop:
     (without momentum, :math:`\mu = 0` and no buffer is kept).
 
     torch has no fused RMSprop: CPU steps run on this project's fused kernel where it was
-    built (``functional._native``), else and with ``foreach=True`` or ``capturable=True`` on
+    built (at the first import), else and with ``foreach=True`` or ``capturable=True`` on
     the foreach kernels; sparse gradients are rejected, as torch.optim rejects them.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         alpha: smoothing constant of the squared-gradient average.
         eps: term added to the denominator for numerical stability.
@@ -173,7 +180,7 @@ class FunctionalRMSprop:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalRMSprop)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalRMSprop, locals())
             check_lr(lr)
             check_at_least("eps", eps, 0.0)
@@ -206,6 +213,8 @@ class FunctionalRMSprop:
         Values are lists so that every class shares the signature (pairs take two). Turning
         momentum on later gives each parameter with state a zero ``momentum_buffer``.
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "alpha":

@@ -5,7 +5,13 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._validation import check_etas, check_lr, check_params, check_types
+from functional._validation import (
+    check_etas,
+    check_lr,
+    check_params,
+    check_types,
+    hyperparameter_argument,
+)
 from functional._common import (
     new_lr,
     index_of,
@@ -100,12 +106,13 @@ class FunctionalRprop:
         \theta_t &= \theta_{t-1} - \mathrm{sign}(g_t) \Gamma_t
 
     and :math:`g_t` (after zeroing) is kept as ``prev``. torch has no fused Rprop: CPU steps
-    run on this project's fused kernel where it was built (``functional._native``), else and
+    run on this project's fused kernel where it was built (at the first import), else and
     with ``foreach=True`` or ``capturable=True`` on the foreach kernels; sparse gradients are
     rejected, as torch.optim rejects them.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: initial step size (a float or a 1-element Tensor).
         etas: multiplicative decrease and increase factors ``(etaminus, etaplus)``.
         step_sizes: minimal and maximal step size.
@@ -134,7 +141,7 @@ class FunctionalRprop:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalRprop)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalRprop, locals())
             check_lr(lr)
             check_etas(etas)
@@ -161,6 +168,8 @@ class FunctionalRprop:
         Values are lists so that every class shares the signature (pairs take two). A new lr
         only sets the first step size of parameters that have no state yet.
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "etas":

@@ -13,6 +13,7 @@ from functional._validation import (
     check_nesterov,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     new_lr,
@@ -303,7 +304,8 @@ class FunctionalSGD:
     take the per-tensor path, as torch.optim does.
 
     Args:
-        params: the parameters to update, in the order gradients will be given.
+        params: the parameters to update (any iterable of Tensors, e.g.
+            ``model.parameters()``), in the order gradients will be given.
         lr: learning rate (a float or a 1-element Tensor).
         momentum: momentum factor.
         dampening: dampening for momentum.
@@ -334,7 +336,7 @@ class FunctionalSGD:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalSGD)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalSGD, locals())
             check_lr(lr)
             check_at_least("momentum", momentum, 0.0)
@@ -363,6 +365,8 @@ class FunctionalSGD:
 
         Values are lists so that every class shares the signature (pairs take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "momentum":

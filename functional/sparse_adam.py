@@ -13,6 +13,7 @@ from functional._validation import (
     check_lr,
     check_params,
     check_types,
+    hyperparameter_argument,
 )
 from functional._common import (
     new_lr,
@@ -110,7 +111,7 @@ class FunctionalSparseAdam:
     ) -> None:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalSparseAdam)
-            check_params(params)
+            params = check_params(params)
             check_types(FunctionalSparseAdam, locals())
             check_lr(lr)
             check_greater("lr", lr_float(lr), 0.0)
@@ -136,6 +137,8 @@ class FunctionalSparseAdam:
 
         Values are lists so that every class shares the signature (betas take two).
         """
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         if name == "lr":
             self.lr = new_lr(self.lr_tensor, value)
         elif name == "betas":

@@ -20,16 +20,19 @@ from distopt.parallel.optimizer import DataParallelOptimizer
 from distopt.parallel.powersgd import PowerSGD
 from distopt.parallel.sync import RoundRobin
 
+# In the order a newcomer reads them (the API page follows it): the optimizer, what it
+# takes (compression schemes, partial sync), the interface a scheme of your own implements,
+# then the DDP hooks and their states.
 __all__ = [
-    "Cast",
-    "Compression",
-    "CompressionHookState",
     "DataParallelOptimizer",
-    "OptimizerInBackward",
+    "Cast",
+    "TopK",
+    "Threshold",
     "PowerSGD",
     "RoundRobin",
-    "Threshold",
-    "TopK",
-    "compression_hook",
+    "Compression",
     "optimizer_hook",
+    "compression_hook",
+    "OptimizerInBackward",
+    "CompressionHookState",
 ]

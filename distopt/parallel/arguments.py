@@ -13,6 +13,7 @@ from distopt.param_groups import distinct
 from distopt.parallel import shard as _shard
 from distopt.parallel.compression import Compression
 from distopt.parallel.sync import RoundRobin, collective_device
+from functional._validation import iterable_argument
 
 __all__ = ["adopt", "check_class", "check_compression", "check_options", "check_same_everywhere",
            "group_info", "param_groups"]
@@ -108,7 +109,7 @@ def param_groups(params: Any) -> List[Dict[str, Any]]:
             f"Invalid params: a {type(params).__name__} (expected an iterable of Tensors or "
             f"of param group dicts, e.g. model.parameters())"
         )
-    items = list(params)
+    items = list(iterable_argument("params", params, "Tensors or of param group dicts"))
     if not items:
         raise ValueError("Invalid params: [] (expected at least one parameter)")
     if not isinstance(items[0], dict):

@@ -408,7 +408,7 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
         TypeError: ``ddp_model`` is not a DistributedDataParallel; a class with no
             functional twin, or SparseAdam; a bad argument (torch.optim's checks too).
         ValueError: a parameter DDP does not reduce (not in ``ddp_model.module``, frozen,
-            or ignored through ``_ddp_params_and_buffers_to_ignore``); a complex parameter
+            or one DDP was told to ignore); a complex parameter
             of the model with a compression that carries real gradients only (TopK,
             Threshold, PowerSGD), named.
     """

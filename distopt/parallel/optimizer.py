@@ -42,6 +42,7 @@ from distopt.parallel import buffers as _buffers
 from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel import join as _join
 from distopt.parallel import teardown
+from distopt.parallel import wrapped as _wrapped
 from distopt.parallel.arguments import (
     adopt,
     check_class,
@@ -126,7 +127,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         overlap: step each bucket as soon as its reduction arrives, during backward
             (compiled classes; eager ones overlap only the reduction), from the second step
             on and in no step a ``GradScaler`` takes: those wait for ``step()``, after the
-            scaler's inf/NaN check (see ``_next_plan``); nor once a step has found ``.grad``
+            scaler's inf/NaN check; nor once a step has found ``.grad``
             changed between backward and ``step()`` (``clip_grad_norm_``): every later step
             waits, and steps the changed gradients. Set False to step every bucket after
             the last one.
@@ -185,6 +186,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                       optimizer_class, eager)
         group, rank, world_size = group_info(process_group)
         groups = param_groups(params)
+        _wrapped.check_not_wrapped([p for g in groups for p in g["params"]], module)
         outside = _buffers.check_module(
             module, [p for g in groups for p in g["params"]], broadcast_buffers
         )
@@ -265,6 +267,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         #: No step taken and no state loaded yet: there is no optimizer state anywhere.
         self._fresh = True
         teardown.claim(all_params, self)
+        _wrapped.register(self)  # a DDP built over these parameters later is refused
         if self._reducer is not None:
             close_at_exit(self)
             self._watch()
@@ -326,11 +329,12 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         a tensor (zeros after ``zero_grad(set_to_none=False)``), and it is stepped with it,
         as torch.optim steps it.
 
-        Called by ``GradScaler.step(opt)`` (``_step_supports_amp_scaling``), it steps as
+        Called by ``GradScaler.step(opt)`` (this class tells the scaler it takes the scale
+        itself, as torch.optim's fused classes do), it steps as
         torch.optim steps under the scaler: the scaler's ``grad_scale`` and ``found_inf`` go
         to the fused kernels, which unscale and skip the update after an inf or NaN; other
         classes' gradients are unscaled in place and their step skipped then. The buckets
-        of a step that a GradScaler takes wait for it (see ``_next_plan``).
+        of a step that a GradScaler takes wait for it, so none steps scaled gradients.
 
         Args:
             closure: as torch.optim's: reevaluates the model and returns the loss.

@@ -10,9 +10,11 @@ every owner whenever it gets a gradient (see ``distopt.sparse.optimizers``).
 from distopt.sparse.embedding import ShardedEmbedding
 from distopt.sparse.optimizers import SparseAdagrad, SparseAdam, SparseSGD
 
+# In the order a newcomer reads them (the API page follows it): the table, then its
+# optimizers as the sparse guide lists them.
 __all__ = [
     "ShardedEmbedding",
+    "SparseSGD",
     "SparseAdagrad",
     "SparseAdam",
-    "SparseSGD",
 ]

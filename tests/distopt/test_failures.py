@@ -1,14 +1,15 @@
 """Bad input fails on the trainer before any RPC; owners' failures name the owner."""
 import os
 import signal
-from typing import List
+import warnings
+from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-from distopt import DistributedOptimizer, DistributedOptimizerError
+from distopt import DistributedOptimizer, DistributedOptimizerError, exclusive, owner
 from functional import functional_optim_map
 from tests import worlds
 from tests.distopt import remote
@@ -38,16 +39,32 @@ def test_item_that_is_not_an_rref(world, rpc_calls):
     "bad, named",
     [
         ("SGD", "'SGD'"),
-        (torch.optim.SGD([torch.ones(1, requires_grad=True)]), "SGD ("),
+        # one line naming the fix, not the instance's repr (14 lines, one per option)
+        (torch.optim.SGD([torch.ones(1, requires_grad=True)]),
+         "an instance of SGD (expected the class: pass torch.optim.SGD, not an instance, and "
+         "its options as keyword arguments)"),
+        (torch.nn.Linear(2, 2), "a Linear module (expected an optimizer class, e.g. "
+                                "torch.optim.AdamW, first, then the parameters)"),
         (dict, "dict"),
     ],
-    ids=["string", "instance", "not-an-optimizer"],
+    ids=["string", "instance", "model", "not-an-optimizer"],
 )
 def test_optimizer_class_that_is_not_an_optimizer(world, rpc_calls, bad, named):
     [rref] = ones_on("worker1")
     with pytest.raises(TypeError, match="Invalid optimizer_class") as info:
         DistributedOptimizer(bad, [rref])
     assert named in str(info.value)
+    assert "\n" not in str(info.value)
+    assert rpc_calls == []
+
+
+def test_a_model_for_params_rref_names_the_fix(world, rpc_calls):
+    with pytest.raises(TypeError) as info:
+        DistributedOptimizer(torch.optim.SGD, torch.nn.Linear(2, 2), lr=0.1)
+    assert str(info.value) == (
+        "Invalid params_rref: a Linear module (expected an iterable of RRefs: pass "
+        "[rpc.RRef(p) for p in model.parameters()] on the parameters' owner)"
+    )
     assert rpc_calls == []
 
 
@@ -145,6 +162,96 @@ def test_error_survives_pickling():
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == "boom" and back.failures == {"worker1": "ValueError: x"}
     assert back.succeeded == ["worker2"]
+
+
+# ---------------------------------------------------------------- a step without gradients
+
+NO_GRADIENT = "holds no gradient of any of this optimizer's parameters"
+#: How each path is reached: a compiled optimizer nobody shares steps through
+#: ``exclusive.script_step``; one whose lr changed since its last step through the owner's
+#: Python ``step_local_optimizer`` (the change travels with the step); an eager one too.
+STEP_PATHS = {"exclusive": torch.optim.SGD, "locked": torch.optim.SGD, "eager": remote.PlainSGD}
+
+
+def _step_on(path: str, opt: DistributedOptimizer, ctx: int) -> None:
+    if path == "locked":
+        opt.param_groups[0]["lr"] *= 0.5
+    opt.step(ctx)
+
+
+def _no_gradient_warnings(caught: List[warnings.WarningMessage]) -> List[Any]:
+    return [w for w in caught if NO_GRADIENT in str(w.message)]
+
+
+@pytest.mark.parametrize("path", list(STEP_PATHS))
+def test_step_on_a_context_without_gradients_warns_once(world, rpc_calls, path):
+    rrefs = ones_on("worker1", "worker2")
+    opt = DistributedOptimizer(STEP_PATHS[path], rrefs, lr=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # once per optimizer even so
+        # step before backward: the forward reached both owners, which hold the context
+        with dist_autograd.context() as ctx:
+            [rpc.rpc_sync(r.owner(), remote.param_sum, args=(r,)) for r in rrefs]
+            del rpc_calls[:]
+            _step_on(path, opt, ctx)
+        targets = {func for _, func, _ in rpc_calls}
+        # a context no owner ever heard of (the locked path on every owner)
+        with dist_autograd.context() as later:
+            _step_on(path, opt, later)
+    said = _no_gradient_warnings(caught)
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert said[0].category is UserWarning
+    assert said[0].filename == __file__  # it points at the caller's step()
+    message = str(said[0].message)
+    assert message.startswith(f"DistributedOptimizer.step({ctx}): the distributed autograd "
+                              f"context {ctx} {NO_GRADIENT}, so none changed. Likely cause: ")
+    assert "loss.backward() instead of dist_autograd.backward(context_id, [loss])" in message
+    assert "step() ran before the backward pass" in message
+    for r in rrefs:
+        assert torch.equal(rpc.rpc_sync(r.owner(), remote.value, args=(r,)), torch.ones(4))
+    assert targets == ({exclusive.script_step} if path == "exclusive"
+                       else {owner.step_local_optimizer})
+
+
+def test_loss_backward_instead_of_dist_autograd_backward_warns(world):
+    # The trainer's own parameter: loss.backward() fills its .grad, not the context.
+    param = torch.ones(4, requires_grad=True)
+    opt = DistributedOptimizer(torch.optim.SGD, [rpc.RRef(param)], lr=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dist_autograd.context() as ctx:
+            param.sum().backward()
+            opt.step(ctx)
+    [said] = _no_gradient_warnings(caught)
+    assert f"context {ctx} {NO_GRADIENT}" in str(said.message)
+    assert torch.equal(param.detach(), torch.ones(4))
+    assert torch.equal(param.grad, torch.ones(4))
+
+
+@pytest.mark.parametrize("path", list(STEP_PATHS))
+def test_steps_with_some_gradients_do_not_warn(world, path):
+    rrefs = ones_on("worker1", "worker2")
+    opt = DistributedOptimizer(STEP_PATHS[path], rrefs, lr=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dist_autograd.context() as ctx:  # a normal step
+            losses = [rpc.rpc_sync(r.owner(), remote.param_sum, args=(r,)) for r in rrefs]
+            dist_autograd.backward(ctx, [torch.stack(losses).sum()])
+            _step_on(path, opt, ctx)
+        after_normal = [rpc.rpc_sync(r.owner(), remote.value, args=(r,)) for r in rrefs]
+        with dist_autograd.context() as ctx:  # worker2's parameter unused: no gradient there
+            first = rpc.rpc_sync("worker1", remote.param_sum, args=(rrefs[0],))
+            dist_autograd.backward(ctx, [first])
+            _step_on(path, opt, ctx)
+        assert _no_gradient_warnings(caught) == []
+        with dist_autograd.context() as ctx:  # the check still watches
+            _step_on(path, opt, ctx)
+    assert len(_no_gradient_warnings(caught)) == 1
+    for r in rrefs:
+        assert not torch.equal(after_normal[rrefs.index(r)], torch.ones(4))
+    values = [rpc.rpc_sync(r.owner(), remote.value, args=(r,)) for r in rrefs]
+    assert not torch.equal(values[0], after_normal[0])
+    assert torch.equal(values[1], after_normal[1])
 
 
 # ---------------------------------------------------------------- a dead owner

@@ -172,3 +172,7 @@ def test_set_hyperparameter_reaches_the_compiled_optimizer(world):
     rpc.rpc_sync("worker1", owner.set_local_hyperparameter, args=(local_optimizer, "lr", [0.25]))
     remote.sum_step(optimizer, [rref])
     assert torch.equal(rpc.rpc_sync("worker1", remote.value, args=(rref,)), torch.full((4,), 0.75))
+    # a float alone stands for [0.5], as the functional classes take it
+    rpc.rpc_sync("worker1", owner.set_local_hyperparameter, args=(local_optimizer, "lr", 0.5))
+    remote.sum_step(optimizer, [rref])
+    assert torch.equal(rpc.rpc_sync("worker1", remote.value, args=(rref,)), torch.full((4,), 0.25))

@@ -419,6 +419,67 @@ def test_params_must_be_tensors() -> None:
 
 
 @pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
+def test_params_may_be_any_iterable_of_tensors(torch_cls: type) -> None:
+    # As torch.optim takes them: model.parameters() (a generator), a tuple. Two matrices:
+    # Muon takes only 2-D parameters.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(4, 2, bias=False))
+    want = [id(p) for p in model.parameters()]
+    for given in (model.parameters(), tuple(model.parameters())):
+        optim = functional_optim_map[torch_cls](given)
+        assert isinstance(optim.params, list) and [id(p) for p in optim.params] == want
+
+
+def test_a_model_a_tensor_or_a_number_as_params_is_refused_naming_the_fix() -> None:
+    cls = functional_optim_map[O.SGD]
+    model = torch.nn.Linear(3, 2)
+    cases = [
+        (model, "Invalid params: a Linear module (expected an iterable of Tensors: pass "
+                "model.parameters())"),
+        (model.weight, "Invalid params: a Tensor (expected an iterable of Tensors, e.g. "
+                       "model.parameters(); put one Tensor in a list)"),
+        (3, "Invalid params: int (expected an iterable of Tensors, e.g. model.parameters())"),
+    ]
+    for given, message in cases:
+        with pytest.raises(TypeError) as info:
+            cls(given)
+        assert str(info.value) == message
+
+
+@pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
+def test_set_hyperparameter_takes_a_number_alone(torch_cls: type) -> None:
+    optim = functional_optim_map[torch_cls](_params(torch_cls))
+    optim.set_hyperparameter("lr", 1e-4)  # for [1e-4]
+    assert optim.lr == 1e-4
+    optim.set_hyperparameter("lr", 2)  # an int, a numpy float: as torch.optim takes them
+    assert optim.lr == 2.0 and isinstance(optim.lr, float)
+    optim.set_hyperparameter("lr", np.float64(3e-4))
+    assert optim.lr == 3e-4
+
+
+SET_HYPERPARAMETER_FORMS = ("expected a float, or a list of floats: 1e-4 or [1e-4], or "
+                            "[0.9, 0.999] for a pair such as betas)")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_set_hyperparameter_names_a_value_it_cannot_take(compiled: bool) -> None:
+    optim = functional_optim_map[O.Adam](_params(O.Adam), lr=1e-3)
+    if compiled:
+        optim = script_optimizer(optim)
+    optim.set_hyperparameter("lr", 1e-4)  # compiled, the method takes List[float] only
+    optim.set_hyperparameter("betas", (0.8, 0.99))
+    held = optim.optim if compiled else optim
+    assert held.lr == 1e-4 and held.betas == (0.8, 0.99)
+    for value in ("fast", None, True, [0.9, "x"]):
+        with pytest.raises(TypeError) as info:
+            optim.set_hyperparameter("lr", value)
+        assert str(info.value) == (
+            f"Invalid set_hyperparameter('lr', value): {value!r} ({SET_HYPERPARAMETER_FORMS}"
+        )
+    held = optim.optim if compiled else optim
+    assert held.lr == 1e-4
+
+
+@pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)
 def test_one_tensor_twice_is_refused_naming_both_indices(torch_cls: type) -> None:
     [p], [q] = _params(torch_cls), _params(torch_cls)
     with pytest.warns(UserWarning, match=re.escape(TORCH_DUPLICATE_WARNING)):

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from functional import functional_optim_map
+from functional._compile import script  # torch.jit.script without its deprecation warning
 
 N_PARAMS, NUMEL = 3000, 32
 SWITCH_INTERVAL_S = 0.0005
@@ -117,7 +118,7 @@ def test_compiled_step_is_not_stalled_by_a_busy_python_thread(torch_cls, short_s
     kwargs = {"lr": 1e-3, "momentum": 0.9} if torch_cls is torch.optim.SGD else {"lr": 1e-3}
     params: List[torch.Tensor] = [torch.randn(NUMEL) for _ in range(N_PARAMS)]
     grads = [torch.randn(NUMEL) for _ in range(N_PARAMS)]
-    compiled = torch.jit.script(
+    compiled = script(
         _StepWithHeldGradients(functional_optim_map[torch_cls](params, **kwargs), list(grads)))
 
     compiled(), compiled()  # warm

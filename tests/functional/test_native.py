@@ -9,6 +9,7 @@ import torch
 
 from distopt import local_optimizer
 from functional import FLAT_CLASSES, _flat, _native, flatten_parameters
+from functional._compile import script  # torch.jit.script without its deprecation warning
 
 from .case import Case
 from .cases import ALL_CASES
@@ -97,7 +98,7 @@ def test_lookup_is_by_identity_like_torchscripts_dict():
     grads = {params[0]: torch.ones(3), params[2]: torch.full((3,), 2.0)}
     twin = torch.zeros(3, requires_grad=True)  # equal values, another tensor
 
-    @torch.jit.script
+    @script
     def scripted(g: Dict[torch.Tensor, torch.Tensor], p: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         return torch.ops.distopt_flat.lookup(g, p)
 
@@ -161,7 +162,7 @@ FILLS = {
 
 @pytest.fixture(scope="module")
 def compiled_fill() -> Any:
-    return torch.jit.script(_flat._fill_script)
+    return script(_flat._fill_script)
 
 
 @pytest.mark.parametrize("what", sorted(FILLS))
@@ -205,7 +206,7 @@ def test_the_torchscript_lookup_is_by_identity_as_the_native_op(compiled: bool):
     twin = torch.zeros(3, requires_grad=True)  # equal values, another tensor
     lookup = local_optimizer._lookup_script
     if compiled:
-        lookup = torch.jit.script(lookup)
+        lookup = script(lookup)
     found = lookup(grads, params + [twin])
     assert found[0] is grads[params[0]] and found[2] is grads[params[2]]
     assert found[1] is None and found[3] is None

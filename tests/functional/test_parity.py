@@ -4,7 +4,9 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from functional import load_torch_state_dict, script_optimizer, to_torch_state_dict
+from functional import (
+    FunctionalAdam, ScriptedOptimizer, load_torch_state_dict, script_optimizer, to_torch_state_dict,
+)
 
 from .case import Case
 from .cases import ALL_CASES
@@ -121,3 +123,17 @@ def check_state_dict_round_trip(case: Case) -> None:
         back.step(_clone(grads))
     _assert_close(b, a, "torch.optim after loading functional state")
     _assert_close(c, a, "compiled functional after loading torch.optim state")
+
+
+def test_state_dict_of_an_uncompiled_scripted_optimizer() -> None:
+    """With TorchScript off (``PYTORCH_JIT=0``), ``script_optimizer`` returns its
+    ``ScriptedOptimizer`` module uncompiled: the state conversions reach the optimizer inside
+    it, as they do through a compiled one."""
+    params = [torch.randn(3, 2), torch.randn(2)]
+    module = ScriptedOptimizer(FunctionalAdam(params, lr=0.1))
+    module.step([torch.ones(3, 2), torch.ones(2)])
+    saved = to_torch_state_dict(module, torch.optim.Adam)
+    assert saved["param_groups"][0]["lr"] == 0.1 and sorted(saved["state"]) == [0, 1]
+    saved["param_groups"][0]["lr"] = 0.05
+    load_torch_state_dict(module, torch.optim.Adam, saved)
+    assert module.optim.lr == 0.05

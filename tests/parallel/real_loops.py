@@ -343,10 +343,14 @@ def changed_after_construction(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
-def _compiled_run(model: torch.nn.Module, module: torch.nn.Module, forward: Any,
+def _compiled_run(model: torch.nn.Module, module: Optional[torch.nn.Module], forward: Any,
                   rank: int) -> List[torch.Tensor]:
-    """Three SGD steps of ``forward``; the model's parameters and buffers after each."""
-    opt = DataParallelOptimizer(torch.optim.SGD, model.trained(), module=module, **SGD)
+    """Three SGD steps of ``forward``; the model's parameters and buffers after each. With
+    ``module=None`` ``forward`` is a DDP and torch.optim steps, the reference."""
+    if module is None:
+        opt: Any = torch.optim.SGD(model.trained(), **SGD)
+    else:
+        opt = DataParallelOptimizer(torch.optim.SGD, model.trained(), module=module, **SGD)
     after = []
     for step in range(3):
         x, y = image_batch(rank, step)
@@ -355,7 +359,8 @@ def _compiled_run(model: torch.nn.Module, module: torch.nn.Module, forward: Any,
         opt.zero_grad()
         after.append(torch.cat([flat_params(model)] + [b.double().reshape(-1).float()
                                                         for b in model.buffers()]))
-    opt.close()
+    if module is not None:
+        opt.close()
     return after
 
 
@@ -368,7 +373,7 @@ def compiled_module(rank: int, world_size: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     ref_model = BatchNormNet(0)
     ddp = DistributedDataParallel(ref_model)
-    out["ddp"] = _compiled_run(ref_model, ref_model, ddp, rank)
+    out["ddp"] = _compiled_run(ref_model, None, ddp, rank)
     model = BatchNormNet(0)
     out["module=model"] = _compiled_run(
         model, model, torch.compile(model, fullgraph=True, backend="eager"), rank)

@@ -617,6 +617,9 @@ def _bad_arguments(rank: int, world_size: int, issued: List[str]) -> Dict[str, s
                                                                 module=model),
         "broadcast_buffers_str": lambda: DataParallelOptimizer(
             torch.optim.SGD, params, module=model, broadcast_buffers="yes"),
+        # the model for its parameters, an optimizer for its class: one line naming the fix
+        "model_as_params": lambda: DataParallelOptimizer(torch.optim.AdamW, model),
+        "optimizer_instance": lambda: DataParallelOptimizer(torch.optim.AdamW(params), params),
     }
     out = {}
     for name, make in cases.items():
@@ -1402,4 +1405,48 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         out["reference_first_grads"] = torch.cat([
             g.reshape(-1) for g in torch.autograd.grad(loss_of(model, x, y), list(model.parameters()))
         ])
+    return out
+
+
+def ddp_and_optimizer(rank: int, world_size: int) -> Dict[str, Any]:
+    """DDP and a DataParallelOptimizer over the same parameters, in both orders (DDP first;
+    the optimizer first, as nanoGPT builds it), and the uses that stay allowed: DDP's ignored
+    parameters in the optimizer, and a DDP built after the optimizer was closed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: Dict[str, Any] = {}
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    out["ddp_first"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.AdamW, model.parameters()), RuntimeError)
+    out["ddp_as_module"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.AdamW, model.parameters(), module=ddp),
+        RuntimeError)
+    del ddp
+
+    model = make_model(seed=1)
+    opt = DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    out["optimizer_first"] = _error_of(lambda: DistributedDataParallel(model), RuntimeError)
+    # The optimizer still trains, alone, as DDP would: one step on this rank's batch.
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    ref = make_model(seed=1)
+    ref_ddp = DistributedDataParallel(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
+    ref_ddp(x).square().mean().backward()
+    ref_opt.step()
+    out["trains_as_ddp"] = identical(list(model.parameters()), list(ref.parameters()))
+    out["moved"] = not identical(list(model.parameters()), before)
+    opt.close()
+    out["after_close"] = _error_of(lambda: DistributedDataParallel(model), RuntimeError)
+
+    model = make_model(seed=2)
+    model._ddp_params_and_buffers_to_ignore = ["4.weight", "4.bias"]
+    ddp = DistributedDataParallel(model)
+    last = DataParallelOptimizer(torch.optim.SGD, model[4].parameters(), lr=0.1)
+    out["ignored_allowed"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.SGD, model[0].parameters(), lr=0.1), RuntimeError)
+    last.close()
     return out

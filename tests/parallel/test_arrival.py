@@ -42,6 +42,8 @@ def test_the_first_reduction_starts_as_soon_as_its_bucket_arrived(world, name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_numbers_equal_ddp_and_every_rank_across_the_rebuild(world, name):
+    """Bit for bit with DDP + torch.optim, and every rank with every other, across the rebuild:
+    overlap on and off, sharded "flat" and "param", eager, accumulation."""
     first, second = world[0][name], world[1][name]
     assert torch.equal(first["params"], second["params"])
     if name != "adagrad-accumulate":  # two passes a step: no DDP run to compare

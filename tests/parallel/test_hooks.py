@@ -502,6 +502,9 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         "not_ddp": lambda: optimizer_hook(model, torch.optim.SGD, model.parameters(), lr=0.1),
         "compression": lambda: compression_hook("topk"),
         "lr": lambda: optimizer_hook(ddp, torch.optim.SGD, model.parameters(), lr=-1.0),
+        "model_as_params": lambda: optimizer_hook(ddp, torch.optim.SGD, model, lr=0.1),
+        "optimizer_instance": lambda: optimizer_hook(
+            ddp, torch.optim.SGD(model.parameters(), lr=0.1), model.parameters()),
     }
     out["errors"] = {name: _error_of(fn) for name, fn in errors.items()}
     model = make_model(True)
@@ -767,6 +770,10 @@ EXPECTED_ERRORS = {
     "not_ddp": ("TypeError", "ddp_model: Sequential"),
     "compression": ("TypeError", "compression: 'topk'"),
     "lr": ("ValueError", "learning rate: -1.0"),  # torch.optim's words
+    "model_as_params": ("TypeError", "module (expected an iterable of Tensors or of param group "
+                                     "dicts: pass model.parameters())"),
+    "optimizer_instance": ("TypeError", "Invalid optimizer_class: an instance of SGD (expected "
+                                        "the class: pass torch.optim.SGD, not an instance"),
 }
 
 

