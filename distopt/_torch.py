@@ -23,6 +23,7 @@ __all__ = [
     "WeakIdKeyDictionary",
     "all_gather_flat",
     "current_context_id",
+    "ddp_delayed_params",
     "ddp_ignored_names",
     "destroy_private_group",
     "init_optimizer_internals",
@@ -77,6 +78,17 @@ def ddp_ignored_names(ddp: Any) -> Any:
     before it assigns ``self.module``.
     """
     return getattr(ddp, "parameters_to_ignore", ())
+
+
+def ddp_delayed_params(ddp: Any) -> List[Any]:
+    """The parameters whose all_reduce a DistributedDataParallel delays to the end of
+    backward (its ``delay_all_reduce_named_params``): averaged by it, though their names are
+    among ``ddp_ignored_names``.
+
+    Needed because DDP keeps them only in its private ``_delay_all_reduce_params``, set
+    before it assigns ``self.module``.
+    """
+    return list(getattr(ddp, "_delay_all_reduce_params", ()))
 
 
 def jit_enabled() -> bool:

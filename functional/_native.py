@@ -61,7 +61,26 @@ _CAPABILITY_FLAGS = {
 #: How long an import waits for another process's build of the same library before it gives
 #: up and runs the TorchScript paths (seconds; ``DISTOPT_BUILD_TIMEOUT``). A build took up to
 #: 40 s here under load; the bound is there so that no import can wait forever.
-BUILD_TIMEOUT = float(os.environ.get("DISTOPT_BUILD_TIMEOUT", "600"))
+def _timeout(text: Optional[str], default: float = 600.0) -> float:
+    """``DISTOPT_BUILD_TIMEOUT``'s value: a positive number of seconds, else ``default``
+    with a warning (an import must not fail, nor wait forever, on a mistyped setting)."""
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        log.warning("Invalid DISTOPT_BUILD_TIMEOUT: %r (expected a positive number of seconds); "
+                    "waiting at most %g s", text, default)
+        return default
+    return value
+
+
+BUILD_TIMEOUT = _timeout(os.environ.get("DISTOPT_BUILD_TIMEOUT"))
+
+#: How long an import waits for another process's lock before it says so (seconds).
+_QUIET_WAIT_S = 2.0
 
 #: The lock file torch's ``cpp_extension.load`` creates in a build directory while it builds
 #: (torch 2.13's ``FileBaton``: a file, not an OS lock, so a killed build leaves it and every
@@ -72,6 +91,9 @@ _OUR_LOCK = "distopt.lock"
 #: What the last build here was built from (``_fingerprint``): its absence, or another
 #: fingerprint, means the next ``load`` compiles, and the import says so first.
 _STAMP = "distopt.stamp"
+#: What the last build here was built from, and its error, where it failed: the next
+#: import with the same fingerprint does not try again until this file is deleted.
+_FAILED = "distopt.failed"
 
 
 def _installation() -> List[str]:
@@ -127,10 +149,12 @@ class BuildWaitTimeout(RuntimeError):
     """Another process held a build's lock for longer than ``BUILD_TIMEOUT``."""
 
 
-def _builders(directory: str) -> List[int]:
-    """Processes other than this one working in ``directory``: the ninja and compilers of a
-    build whose Python process was killed alone (they run on, in the build directory, and
-    must finish before another build starts there). Linux only; elsewhere none are seen."""
+def _builders(directory: str, name: str) -> List[int]:
+    """The ninja and compilers of a build of ``name`` whose Python process was killed alone:
+    they run on, in the build directory, and must finish before another build starts there.
+    Processes whose working directory is ``directory`` and whose command line is ninja's or
+    names the library (the compile and link commands do); a shell someone opened there is
+    not one. Linux only; elsewhere none are seen."""
     found = []
     try:
         entries = os.listdir("/proc")
@@ -140,10 +164,14 @@ def _builders(directory: str) -> List[int]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) == directory:
-                found.append(int(entry))
+            if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) != directory:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
         except OSError:  # gone, or not ours to read
             continue
+        if os.path.basename(argv[0]) == "ninja" or any(name in arg for arg in argv):
+            found.append(int(entry))
     return found
 
 
@@ -165,6 +193,8 @@ class _BuildLock:
         path = os.path.join(self.directory, _OUR_LOCK)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         said = False
+        # A cached load holds the lock for a fraction of a second: say nothing for that.
+        quiet_until = time.monotonic() + _QUIET_WAIT_S
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -176,12 +206,14 @@ class _BuildLock:
                     raise BuildWaitTimeout(
                         f"waited {self.timeout:g} s for {holder} building {self.name} in "
                         f"{self.directory} (DISTOPT_BUILD_TIMEOUT)") from None
-                if not said:
-                    _say(f"waiting for {self._holder()}, which is building {self.name} in "
-                         f"{self.directory} (at most {self.timeout:g} s, DISTOPT_BUILD_TIMEOUT)")
+                if not said and time.monotonic() >= quiet_until:
+                    _say(f"waiting for {self._holder()}, which holds the build lock of "
+                         f"{self.name} in {self.directory} to build or load it (at most "
+                         f"{self.timeout:g} s, DISTOPT_BUILD_TIMEOUT)")
                     said = True
                 time.sleep(0.05)
         os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
         os.write(self.fd, str(os.getpid()).encode())
         return self
 
@@ -201,7 +233,7 @@ class _BuildLock:
             return
         said = False
         while True:
-            pids = _builders(os.path.realpath(self.directory))
+            pids = _builders(os.path.realpath(self.directory), self.name)
             if not pids:
                 break
             if time.monotonic() >= self.deadline:
@@ -239,18 +271,32 @@ def _is_built(directory: str, name: str, fingerprint: str) -> bool:
     return stamp == fingerprint and os.path.exists(os.path.join(directory, f"{name}.so"))
 
 
+def _failed_before(directory: str, fingerprint: str) -> Optional[str]:
+    """The first line of the error of the last build here, if it failed with these sources,
+    flags and installation (``_FAILED``); None otherwise."""
+    try:
+        with open(os.path.join(directory, _FAILED)) as f:
+            stamp, _, reason = f.read().partition("\n")
+    except OSError:
+        return None
+    return reason.strip().splitlines()[0] if stamp == fingerprint and reason.strip() else None
+
+
 def _build(name: str, source: str, flags: List[str], probe: str, ldflags: Optional[List[str]] = None,
            what: str = "native ops", took: str = "") -> bool:
     """Build (or load the cached build of) library ``name`` and check that it registered
-    ``probe`` (``namespace.op``); False, with a warning saying why, on any failure.
+    ``probe`` (``namespace.op``); False, with one warning saying why, on any failure.
 
     Builds of one library are serialised by an OS lock (``_BuildLock``), waited for at most
     ``BUILD_TIMEOUT`` seconds. Before compiling, stderr says what is built, that it happens
-    once, and how long it took here (``took``); a cached build loads silently."""
+    once, and how long it took here (``took``); a cached build loads silently. A build that
+    failed is not tried again with the same sources, flags and installation until its
+    record (``distopt.failed``, which keeps the compiler's output) is deleted."""
     namespace, op = probe.split(".")
     if hasattr(torch.ops, namespace) and hasattr(getattr(torch.ops, namespace), op):
         return True
     ldflags = ldflags or []
+    compiling = False
     try:
         from torch.utils.cpp_extension import load
 
@@ -261,20 +307,39 @@ def _build(name: str, source: str, flags: List[str], probe: str, ldflags: Option
             lock.clear_stale()
             fresh = not _is_built(directory, unique, fingerprint)
             if fresh:
+                failed = _failed_before(directory, fingerprint)
+                if failed is not None:
+                    log.warning(
+                        "native ops %s unavailable: their build failed before (%s; the "
+                        "compiler's output is in %s, delete it to build again); the "
+                        "TorchScript and foreach paths run instead",
+                        name, failed, os.path.join(directory, _FAILED))
+                    return False
                 _say(f"compiling {what} ({os.path.basename(source)}) into {directory}: once per "
                      f"checkout, torch installation and Python{took}; later imports load the build")
                 started = time.monotonic()
-            load(name=unique, sources=[source], extra_cflags=flags, extra_ldflags=ldflags,
-                 build_directory=directory, is_python_module=False, verbose=False)
-            getattr(getattr(torch.ops, namespace), op)  # raises if the library did not register
+                compiling = True
+            try:
+                load(name=unique, sources=[source], extra_cflags=flags, extra_ldflags=ldflags,
+                     build_directory=directory, is_python_module=False, verbose=False)
+                getattr(getattr(torch.ops, namespace), op)  # raises if it did not register
+            except Exception as error:
+                if compiling:
+                    with open(os.path.join(directory, _FAILED), "w") as f:
+                        f.write(f"{fingerprint}\n{type(error).__name__}: {error}\n")
+                raise
             if fresh:
                 with open(os.path.join(directory, _STAMP), "w") as f:
                     f.write(fingerprint)
                 _say(f"built {unique} in {time.monotonic() - started:.1f} s")
     except Exception as error:  # any build or load failure: fall back, say why
+        text = str(error).strip().splitlines()
+        reason = text[0] if text else ""
+        more = (f" (the compiler's output: {os.path.join(directory, _FAILED)})"
+                if compiling else "")
         log.warning(
-            "native ops %s unavailable (%s: %s); the TorchScript and foreach paths run instead",
-            name, type(error).__name__, error,
+            "native ops %s unavailable (%s: %s)%s; the TorchScript and foreach paths run instead",
+            name, type(error).__name__, reason, more,
         )
         return False
     return True
@@ -282,8 +347,8 @@ def _build(name: str, source: str, flags: List[str], probe: str, ldflags: Option
 
 #: How long each build took on the project's machine, for the first import's message
 #: (2-core AMD EPYC VM, g++ 12, torch 2.13; docs/guide/functional.md#the-native-build).
-_TOOK_FLAT = " (9 s on 2 idle cores here, 17 s with the machine loaded)"
-_TOOK_KERNELS = " (18 s on 2 idle cores here, 41 s with the machine loaded)"
+_TOOK_FLAT = " (9 s on 2 idle cores here, 17 s beside the test suite)"
+_TOOK_KERNELS = " (18 s on 2 idle cores here, 41 s beside the test suite)"
 
 
 def _load_flat() -> bool:

@@ -186,12 +186,13 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                       optimizer_class, eager)
         group, rank, world_size = group_info(process_group)
         groups = param_groups(params)
-        _wrapped.check_not_wrapped([p for g in groups for p in g["params"]], module)
         outside = _buffers.check_module(
             module, [p for g in groups for p in g["params"]], broadcast_buffers
         )
         # torch.optim's own checks and defaults, and (eager) the optimizer that steps.
         inner = adopt(self, optimizer_class, groups, args, kwargs)
+        _wrapped.check_not_wrapped(
+            [p for g in self.param_groups for p in g["params"] if p.requires_grad], module)
         self.process_group, self.rank, self.world_size = group, rank, world_size
         self.compression = compression
         self.sync = sync

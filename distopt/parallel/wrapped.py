@@ -21,15 +21,34 @@ from distopt import _torch
 
 __all__ = ["check_not_wrapped", "register"]
 
-#: The open DataParallelOptimizers, and the DDPs built since this module was imported.
+#: The open DataParallelOptimizers.
 _OPTIMIZERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_WRAPPERS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+#: Each DDP built since this module was imported (and not refused): the parameters it
+#: averages, with a name of each, as it chose them when built.
+_WRAPPERS: "weakref.WeakKeyDictionary[DistributedDataParallel, List[Tuple[str, Tensor]]]" = (
+    weakref.WeakKeyDictionary())
 
 
-def _averaged(inner: torch.nn.Module, ignored: Iterable[str]) -> List[Tuple[str, Tensor]]:
-    """The parameters of ``inner`` that a DDP around it averages."""
-    skipped = set(ignored)
-    return [(n, p) for n, p in inner.named_parameters() if n not in skipped and p.requires_grad]
+def _averaged(ddp: DistributedDataParallel, inner: torch.nn.Module) -> List[Tuple[str, Tensor]]:
+    """The parameters of ``inner`` that ``ddp`` averages, as DDP's reducer picks them: each
+    module's own parameters that require grad, by the name ``module_name.param_name`` (a
+    parameter shared by two modules counts under either name), less the ignored names;
+    plus those whose all_reduce it delays to the end of backward."""
+    ignored = set(_torch.ddp_ignored_names(ddp))
+    found: List[Tuple[str, Tensor]] = []
+    seen = set()
+    for module_name, module in inner.named_modules():
+        for param_name, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if (p.requires_grad and f"{module_name}.{param_name}" not in ignored
+                    and id(p) not in seen):
+                seen.add(id(p))
+                found.append((name, p))
+    for p in _torch.ddp_delayed_params(ddp):
+        if id(p) not in seen:
+            seen.add(id(p))
+            found.append((next((n for n, q in inner.named_parameters() if q is p), "?"), p))
+    return found
 
 
 def _refusal(names: List[str], second: str) -> RuntimeError:
@@ -43,21 +62,19 @@ def _refusal(names: List[str], second: str) -> RuntimeError:
     )
 
 
-def _shared(opt: Any, named: List[Tuple[str, Tensor]]) -> List[str]:
-    mine = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
+def _shared(params: Iterable[Tensor], named: List[Tuple[str, Tensor]]) -> List[str]:
+    mine = {id(p) for p in params}
     return [n for n, p in named if id(p) in mine]
 
 
 def check_not_wrapped(params: List[Tensor], module: Optional[torch.nn.Module]) -> None:
-    """Refuse ``params`` if a DistributedDataParallel averages any of them: ``module`` itself
-    or one built since this module was imported."""
-    wrappers = list(_WRAPPERS)
-    if isinstance(module, DistributedDataParallel) and module not in wrappers:
-        wrappers.append(module)
-    mine = {id(p) for p in params if p.requires_grad}
-    for ddp in wrappers:
-        named = _averaged(ddp.module, _torch.ddp_ignored_names(ddp))
-        names = [n for n, p in named if id(p) in mine]
+    """Refuse ``params`` (the optimizer's trained parameters) if a DistributedDataParallel
+    averages any of them: ``module`` itself, or one built since this module was imported."""
+    wrappers = list(_WRAPPERS.items())
+    if isinstance(module, DistributedDataParallel) and module not in _WRAPPERS:
+        wrappers.append((module, _averaged(module, module.module)))
+    for _, named in wrappers:
+        names = _shared(params, named)
         if names:
             raise _refusal(names, "Invalid params of DataParallelOptimizer")
 
@@ -68,21 +85,20 @@ def register(opt: Any) -> None:
 
 
 def _on_registration(parent: torch.nn.Module, name: str, submodule: Any) -> None:
-    """(every module's ``__setattr__`` of a submodule) DDP's ``self.module = module``."""
+    """(every module's ``__setattr__`` of a submodule) DDP's ``self.module = module``: refuse
+    it if an open optimizer trains a parameter it would average, else remember it."""
     if name != "module" or not isinstance(parent, DistributedDataParallel):
         return None
-    _WRAPPERS.add(parent)
-    if submodule is None:
+    if not isinstance(submodule, torch.nn.Module):
         return None
-    named = None
+    named = _averaged(parent, submodule)
     for opt in list(_OPTIMIZERS):
         if getattr(opt, "_closed", False):
             continue
-        if named is None:
-            named = _averaged(submodule, _torch.ddp_ignored_names(parent))
-        names = _shared(opt, named)
+        names = _shared((p for g in opt.param_groups for p in g["params"] if p.requires_grad), named)
         if names:
             raise _refusal(names, "Invalid module of DistributedDataParallel")
+    _WRAPPERS[parent] = named
     return None
 
 

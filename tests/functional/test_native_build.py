@@ -184,6 +184,7 @@ def test_a_build_held_by_another_process_is_waited_for_with_a_bound(tmp_path, mo
     ``DISTOPT_BUILD_TIMEOUT`` gives up and falls back instead of waiting forever."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setattr(_native, "BUILD_TIMEOUT", 0.3)
+    monkeypatch.setattr(_native, "_QUIET_WAIT_S", 0.0)
     source = tmp_path / "probe.cpp"
     source.write_text(PROBE)
     flags = _flags("probe_held=3")
@@ -198,6 +199,54 @@ def test_a_build_held_by_another_process_is_waited_for_with_a_bound(tmp_path, mo
         assert time.monotonic() - began < 0.3 + 5
     finally:
         os.close(holder)
-    assert "waiting for process 4242, which is building distopt_probe_" in capfd.readouterr().err
+    assert "waiting for process 4242, which holds the build lock of distopt_probe_" in capfd.readouterr().err
     assert "native ops distopt_probe unavailable (BuildWaitTimeout: waited 0.3 s for process 4242" in caplog.text
     assert not (directory / "lock").exists()  # no compile was started
+
+
+@pytest.mark.parametrize("text,seconds", [(None, 600.0), ("", 600.0), ("45", 45.0), ("0.5", 0.5),
+                                          ("abc", 600.0), ("10s", 600.0), ("nan", 600.0),
+                                          ("inf", 600.0), ("-1", 600.0), ("0", 600.0)])
+def test_a_mistyped_build_timeout_is_refused_with_a_warning_not_an_error(text, seconds, caplog):
+    """DISTOPT_BUILD_TIMEOUT is read at import: a bad value must neither fail the import nor
+    make the wait unbounded (nan compared with a deadline never times out)."""
+    assert _native._timeout(text) == seconds
+    assert ("Invalid DISTOPT_BUILD_TIMEOUT" in caplog.text) == (text not in (None, "", "45", "0.5"))
+
+
+def test_a_failed_build_is_not_tried_again_at_every_import(tmp_path, monkeypatch, capfd, caplog):
+    """A compile error (as with no working compiler) falls back with one warning naming the
+    file that keeps the compiler's output; the next import with the same sources and flags
+    does not compile again, and says so in one line, until that file is deleted."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++;\n" + PROBE)
+    flags = _flags("probe_broken=5")
+    assert not _native._build("distopt_probe", str(source), flags, "probe_broken.value")
+    first = capfd.readouterr().err
+    assert first.count("compiling") == 1
+    directory = Path(_native.build_directory(_native.build_name("distopt_probe", str(tmp_path), flags, [])))
+    record = directory / "distopt.failed"
+    assert "this is not C++" in record.read_text()
+    assert f"(the compiler's output: {record})" in caplog.text
+    caplog.clear()
+    assert not _native._build("distopt_probe", str(source), flags, "probe_broken.value")
+    assert "compiling" not in capfd.readouterr().err
+    assert "their build failed before (RuntimeError: Error building extension" in caplog.text
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage().splitlines()) == 1
+
+
+def test_only_a_builds_own_processes_hold_back_the_next_build(tmp_path):
+    """After a killed build, the next one waits for the compilers and ninja that the kill
+    left running in the build directory, not for any process that happens to be there."""
+    name = "distopt_probe_0123abcd"
+    shell = subprocess.Popen(["cat"], stdin=subprocess.PIPE, cwd=tmp_path)
+    compiler = subprocess.Popen(["sh", "-c", f"cat # -DTORCH_EXTENSION_NAME={name}"],
+                                stdin=subprocess.PIPE, cwd=tmp_path)
+    try:
+        found = _native._builders(os.path.realpath(tmp_path), name)
+        assert compiler.pid in found and shell.pid not in found
+    finally:
+        for process in (shell, compiler):
+            process.stdin.close()
+            process.wait()

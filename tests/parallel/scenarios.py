@@ -1449,4 +1449,41 @@ def ddp_and_optimizer(rank: int, world_size: int) -> Dict[str, Any]:
     out["ignored_allowed"] = _error_of(
         lambda: DataParallelOptimizer(torch.optim.SGD, model[0].parameters(), lr=0.1), RuntimeError)
     last.close()
+
+    # What DDP averages, as its reducer picks it: a weight shared by two layers, ignored
+    # under one name only, and a parameter whose all_reduce DDP delays, are both averaged.
+    tied = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    tied.b.weight = tied.a.weight
+    tied._ddp_params_and_buffers_to_ignore = ["a.weight"]
+    tied_ddp = DistributedDataParallel(tied)
+    out["tied"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.SGD, [tied.a.weight], lr=0.1), RuntimeError)
+    delayed = make_model(seed=4)
+    delayed_ddp = DistributedDataParallel(
+        delayed, delay_all_reduce_named_params=[("4.weight", delayed[4].weight)],
+        param_to_hook_all_reduce=delayed[4].weight)
+    out["delayed"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.SGD, [delayed[4].weight], lr=0.1), RuntimeError)
+    # Frozen when DDP was built: DDP never averages it, so an optimizer may train it later.
+    frozen = make_model(seed=5)
+    frozen[4].requires_grad_(False)
+    frozen_ddp = DistributedDataParallel(frozen)
+    frozen[4].requires_grad_(True)
+    unfrozen = DataParallelOptimizer(torch.optim.SGD, frozen[4].parameters(), lr=0.1)
+    unfrozen.close()
+    # A refused DDP, still referenced (a traceback kept by pytest.raises or a REPL), leaves
+    # later optimizers over other parameters alone; named parameters are taken as torch.optim
+    # takes them.
+    other = make_model(seed=6)
+    opt = DataParallelOptimizer(torch.optim.SGD, other.parameters(), lr=0.1)
+    try:
+        DistributedDataParallel(other)
+    except RuntimeError as refused:
+        kept = refused  # noqa: F841 (keeps the half-built DDP alive in its traceback)
+    named = make_model(seed=7)
+    out["named_after_refusal"] = _error_of(
+        lambda: DataParallelOptimizer(torch.optim.SGD, named.named_parameters(), lr=0.1).close(),
+        Exception)
+    opt.close()
+    del tied_ddp, delayed_ddp, frozen_ddp
     return out

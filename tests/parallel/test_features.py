@@ -902,3 +902,6 @@ def test_ddp_and_the_optimizer_on_the_same_parameters_are_refused_in_either_orde
         assert out["after_close"] == "no error"
         assert out["ignored_allowed"].startswith("Invalid params of DataParallelOptimizer")
         assert "'0.weight', '0.bias'" in out["ignored_allowed"] and "4.weight" not in out["ignored_allowed"]
+        assert out["tied"].startswith("Invalid params of DataParallelOptimizer") and "'b.weight'" in out["tied"]
+        assert out["delayed"].startswith("Invalid params of DataParallelOptimizer") and "'4.weight'" in out["delayed"]
+        assert out["named_after_refusal"] == "no error"
