@@ -12,6 +12,7 @@ name themselves when they refuse.
 """
 import functools
 import inspect
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -49,9 +50,13 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
             f"optimizer class, e.g. torch.optim.AdamW, first, then the parameters)"
         )
     if not inspect.isclass(optimizer_class):
+        swapped = ""
+        if isinstance(optimizer_class, (torch.Tensor, list, tuple, types.GeneratorType)):
+            swapped = "; these look like the parameters: the class comes first, then them"
         raise TypeError(
             f"Invalid optimizer_class: {_short_repr(optimizer_class)} (expected a "
-            f"torch.optim.Optimizer subclass or a class in functional.functional_optim_map)"
+            f"torch.optim.Optimizer subclass or a class in functional.functional_optim_map"
+            f"{swapped})"
         )
     if not issubclass(optimizer_class, torch.optim.Optimizer) and (
         optimizer_class not in functional_optim_map

@@ -46,8 +46,11 @@ def test_item_that_is_not_an_rref(world, rpc_calls):
         (torch.nn.Linear(2, 2), "a Linear module (expected an optimizer class, e.g. "
                                 "torch.optim.AdamW, first, then the parameters)"),
         (dict, "dict"),
+        # the arguments swapped: DistributedOptimizer(rrefs, torch.optim.SGD)
+        ([torch.ones(1)], "these look like the parameters: the class comes first, then them"),
+        ((p for p in [torch.ones(1)]), "these look like the parameters: the class comes first"),
     ],
-    ids=["string", "instance", "model", "not-an-optimizer"],
+    ids=["string", "instance", "model", "not-an-optimizer", "swapped-list", "swapped-generator"],
 )
 def test_optimizer_class_that_is_not_an_optimizer(world, rpc_calls, bad, named):
     [rref] = ones_on("worker1")
