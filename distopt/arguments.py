@@ -69,6 +69,29 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
         _check_steps_without_closure(optimizer_class)
 
 
+def check_class_then_params(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                            params: str, example: str) -> None:
+    """(a constructor's ``__new__``) Refuse a call with one positional argument and no
+    ``params``, as ``DataParallelOptimizer(model)``: Python would say only that an argument
+    is missing; this names what goes where, with ``example``.
+
+    Raises:
+        TypeError: one positional argument and no ``params`` keyword.
+    """
+    if len(args) == 1 and params not in kwargs:
+        first = args[0]
+        if isinstance(first, torch.nn.Module):
+            given = f"a {type(first).__name__} module"
+        elif isinstance(first, torch.optim.Optimizer):
+            given = f"an instance of {type(first).__name__}"
+        else:
+            given = _short_repr(first)
+        raise TypeError(
+            f"{name}({given}): expected an optimizer class, then the parameters ({params}), "
+            f"then the class's options, e.g. {example}"
+        )
+
+
 def _class_path(cls: type) -> str:
     """How a user names ``cls``: ``torch.optim.AdamW`` for torch.optim's classes, else its
     module and qualified name."""

@@ -301,3 +301,14 @@ def test_dead_owner_is_named_within_the_rpc_timeout(how, timeout_s):
     # the lost owner, and the trainer process then exits (joined above, within 30 s)
     assert report["shutdown_seconds"] < 5.0, report
     assert trainer.exitcode == 0, trainer.exitcode
+
+
+def test_one_argument_names_what_goes_where(world, rpc_calls):
+    """``DistributedOptimizer(model)``: Python would say only that 'params_rref' is missing."""
+    with pytest.raises(TypeError) as info:
+        DistributedOptimizer(torch.nn.Linear(2, 2))
+    assert str(info.value) == (
+        "DistributedOptimizer(a Linear module): expected an optimizer class, then the "
+        "parameters (params_rref), then the class's options, e.g. DistributedOptimizer("
+        "torch.optim.SGD, [rpc.RRef(p) for p in model.parameters()], lr=0.05)")
+    assert rpc_calls == []

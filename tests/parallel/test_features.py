@@ -4,11 +4,13 @@ Bytes are measured as the change of ``wchar`` in /proc/self/io over one training
 compared with each scheme's model (payload only: gloo's headers, about 580 bytes per
 collective, stay under 1% at these sizes).
 """
+import inspect
 import time
 
 import pytest
 import torch
 
+from distopt.parallel import DataParallelOptimizer
 from tests.parallel import ddp_buffers_join, scaler_scenarios, scenarios, traces
 from tests.parallel.ranks import ComplexModel, flat_params
 from tests.same import assert_identical, identical
@@ -905,3 +907,18 @@ def test_ddp_and_the_optimizer_on_the_same_parameters_are_refused_in_either_orde
         assert out["tied"].startswith("Invalid params of DataParallelOptimizer") and "'b.weight'" in out["tied"]
         assert out["delayed"].startswith("Invalid params of DataParallelOptimizer") and "'4.weight'" in out["delayed"]
         assert out["named_after_refusal"] == "no error"
+
+
+@pytest.mark.parametrize("first,given", [
+    (torch.nn.Linear(2, 2), "a Linear module"),
+    (torch.optim.AdamW, "<class 'torch.optim.adamw.AdamW'>"),
+])
+def test_one_argument_names_what_goes_where(first, given):
+    """``DataParallelOptimizer(model)``: Python would say only that 'params' is missing."""
+    with pytest.raises(TypeError) as info:
+        DataParallelOptimizer(first)
+    assert str(info.value) == (
+        f"DataParallelOptimizer({given}): expected an optimizer class, then the parameters "
+        f"(params), then the class's options, e.g. DataParallelOptimizer(torch.optim.AdamW, "
+        f"model.parameters(), lr=1e-3)")
+    assert str(inspect.signature(DataParallelOptimizer)).startswith("(optimizer_class: type, params:")
