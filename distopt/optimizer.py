@@ -120,9 +120,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
-        check_class_then_params(
-            cls.__name__, args, kwargs, "params_rref",
-            "DistributedOptimizer(torch.optim.SGD, [rpc.RRef(p) for p in model.parameters()], lr=0.05)")
+        if cls.__init__ is DistributedOptimizer.__init__:  # a subclass may take other arguments
+            check_class_then_params(
+                cls.__name__, args, kwargs, "params_rref",
+                "DistributedOptimizer(torch.optim.SGD, [rpc.RRef(p) for p in model.parameters()], lr=0.05)")
         return super().__new__(cls)
 
     def __init__(

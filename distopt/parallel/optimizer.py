@@ -165,8 +165,10 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     _step_supports_amp_scaling = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DataParallelOptimizer":
-        check_class_then_params(cls.__name__, args, kwargs, "params",
-                                "DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)")
+        if cls.__init__ is DataParallelOptimizer.__init__:  # a subclass may take other arguments
+            check_class_then_params(
+                cls.__name__, args, kwargs, "params",
+                "DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)")
         return super().__new__(cls)
 
     def __init__(
