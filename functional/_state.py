@@ -55,6 +55,14 @@ def torch_group(torch_cls: type, group: Dict[str, Any]) -> Dict[str, Any]:
     return filled
 
 
+def missing_group_keys(torch_cls: type, group: Dict[str, Any]) -> List[str]:
+    """The keys of a ``torch_cls`` param group that a saved ``group`` lacks, once the keys an
+    older torch did not save are filled as ``torch_cls.load_state_dict`` fills them
+    (``torch_group``); sorted, ``"params"`` included where it is missing."""
+    expected = set(group_keys(torch_cls)) | {"params"}
+    return sorted(expected - set(torch_group(torch_cls, group)))
+
+
 def held_value(obj: Any, key: str) -> Any:
     """The hyper-parameter ``key`` that the functional optimizer ``obj`` steps with now, as a
     torch.optim param group holds it: a Tensor lr or Tensor betas given to the constructor
@@ -101,8 +109,7 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
     if len(groups) != 1:
         raise ValueError(f"Invalid state_dict: {len(groups)} param groups (expected 1)")
     group = torch_group(torch_cls, groups[0])
-    expected = set(group_keys(torch_cls)) | {"params"}
-    missing = sorted(expected - set(group))
+    missing = missing_group_keys(torch_cls, groups[0])
     if missing:
         raise ValueError(
             f"Invalid state_dict: param group lacks {missing!r}, so it is not a "

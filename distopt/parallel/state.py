@@ -20,7 +20,7 @@ from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
 from distopt.shell import indexed_groups, state_dict_with_hooks
 from functional import functional_optim_map
-from functional._state import check_hyperparameter
+from functional._state import check_hyperparameter, missing_group_keys
 
 __all__ = ["CompiledState", "DataParallelState", "foreign_residuals", "saved_layout"]
 
@@ -72,6 +72,17 @@ class CompiledState:
         self._local.load_torch_state(hyper, state)
 
     def _check_saved_hyper(self, saved_groups: List[Dict[str, Any]]) -> None:
+        """Every saved group's hyper-parameters, all of them before anything is loaded (the
+        load itself would refuse a group lacking a key only when it reached that group,
+        after loading the groups before it)."""
+        name = self.optimizer_class.__name__
+        for j, saved in enumerate(saved_groups):
+            missing = missing_group_keys(self.optimizer_class, saved)
+            if missing:
+                raise ValueError(
+                    f"Invalid state_dict: param_groups[{j}] lacks {missing!r}, so it is not a "
+                    f"{name} state_dict (expected every key of a {name} param group); nothing "
+                    f"was loaded")
         for j, saved in enumerate(saved_groups):
             for key in self._hyper_keys:
                 if key in saved:

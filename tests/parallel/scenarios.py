@@ -1487,3 +1487,46 @@ def ddp_and_optimizer(rank: int, world_size: int) -> Dict[str, Any]:
     opt.close()
     del tied_ddp, delayed_ddp, frozen_ddp
     return out
+
+
+def half_loads(rank: int, world_size: int) -> Dict[str, Any]:
+    """A state_dict whose second param group lacks "lr", every state entry set to 7: refused
+    with nothing loaded, for DataParallelOptimizer (unsharded, "flat", "param") and
+    OptimizerInBackward. Per case: the message, and whether the state is what it was."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distopt.parallel import OptimizerInBackward
+
+    out: Dict[str, Any] = {}
+    for case in ("None", "flat", "param", "in_backward"):
+        model = make_model(seed=8)
+        groups = [{"params": model[0].parameters()},
+                  {"params": list(model[2].parameters()) + list(model[4].parameters()), "lr": 0.01}]
+        if case == "in_backward":
+            ddp = DistributedDataParallel(model)
+            opt = OptimizerInBackward(ddp, torch.optim.Adam, groups, lr=0.1)
+            forward = ddp
+        else:
+            opt = DataParallelOptimizer(torch.optim.Adam, groups, lr=0.1,
+                                        shard=None if case == "None" else case)
+            forward = model
+        forward(torch.randn(4, 6)).square().mean().backward()
+        if case != "in_backward":
+            opt.step()
+        if case in ("flat", "param"):
+            opt.consolidate_state_dict(to=None)
+        saved = opt.state_dict()
+        bad = copy.deepcopy(saved)
+        for entry in bad["state"].values():
+            for value in entry.values():
+                value.fill_(7.0)
+        del bad["param_groups"][1]["lr"]
+        out[case] = _error_of(lambda: opt.load_state_dict(bad), ValueError)
+        if case in ("flat", "param"):
+            opt.consolidate_state_dict(to=None)
+        out[f"{case}/unchanged"] = identical(opt.state_dict()["state"], saved["state"])
+        if case != "in_backward":
+            opt.close()
+    return out
