@@ -69,27 +69,36 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
         _check_steps_without_closure(optimizer_class)
 
 
-def check_class_then_params(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                            params: str, example: str) -> None:
-    """(a constructor's ``__new__``) Refuse a call with one positional argument and no
-    ``params``, as ``DataParallelOptimizer(model)``: Python would say only that an argument
-    is missing; this names what goes where, with ``example``.
+def class_then_params(params: str, example: str) -> Callable[[type], type]:
+    """Class decorator of a constructor ``(optimizer_class, params, ...)``: a call with one
+    positional argument and no ``params`` (``DataParallelOptimizer(model)``), where Python
+    would say only that an argument is missing, raises a TypeError that names what goes
+    where, with ``example``. Subclasses whose ``__init__`` is their own (other arguments)
+    are left alone; ``inspect.signature`` of the class stays its ``__init__``'s."""
 
-    Raises:
-        TypeError: one positional argument and no ``params`` keyword.
-    """
-    if len(args) == 1 and params not in kwargs:
-        first = args[0]
-        if isinstance(first, torch.nn.Module):
-            given = f"a {type(first).__name__} module"
-        elif isinstance(first, torch.optim.Optimizer):
-            given = f"an instance of {type(first).__name__}"
-        else:
-            given = _short_repr(first)
-        raise TypeError(
-            f"{name}({given}): expected an optimizer class, then the parameters ({params}), "
-            f"then the class's options, e.g. {example}"
-        )
+    def decorate(cls: type) -> type:
+        base_init = cls.__init__
+
+        def __new__(sub: type, *args: Any, **kwargs: Any) -> Any:
+            if sub.__init__ is base_init and len(args) == 1 and params not in kwargs:
+                raise TypeError(f"{sub.__name__}({_given(args[0])}): expected an optimizer "
+                                f"class, then the parameters ({params}), then the class's "
+                                f"options, e.g. {example}")
+            return super(cls, sub).__new__(sub)  # type: ignore[misc]
+
+        __new__.__signature__ = inspect.signature(base_init)  # type: ignore[attr-defined]
+        cls.__new__ = __new__  # type: ignore[assignment]
+        return cls
+
+    return decorate
+
+
+def _given(first: Any) -> str:
+    if isinstance(first, torch.nn.Module):
+        return f"a {type(first).__name__} module"
+    if isinstance(first, torch.optim.Optimizer):
+        return f"an instance of {type(first).__name__}"
+    return _short_repr(first)
 
 
 def _class_path(cls: type) -> str:

@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from distopt import _torch, checkpoint, clipping, exclusive, owner, state
-from distopt.arguments import check_arguments, check_class_then_params, check_optimizer_class
+from distopt.arguments import check_arguments, check_optimizer_class, class_then_params
 from distopt.context import live_context
 from distopt.errors import DistributedOptimizerError, compose_error
 from distopt.fanout import Call, fan_out
@@ -39,6 +39,8 @@ from functional import functional_optim_map
 logger = logging.getLogger(__name__)
 
 
+@class_then_params(
+    "params_rref", "DistributedOptimizer(torch.optim.SGD, [rpc.RRef(p) for p in model.parameters()], lr=0.05)")
 class DistributedOptimizer(torch.optim.Optimizer):
     r"""An optimizer over parameters held by several RPC workers, each updating its own.
 
@@ -118,13 +120,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> sched.step()
         >>> opt.save("/shared/ckpt")
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
-        if cls.__init__ is DistributedOptimizer.__init__:  # a subclass may take other arguments
-            check_class_then_params(
-                cls.__name__, args, kwargs, "params_rref",
-                "DistributedOptimizer(torch.optim.SGD, [rpc.RRef(p) for p in model.parameters()], lr=0.05)")
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -565,8 +560,3 @@ def _release(optimizer_rrefs: List[rpc.RRef]) -> None:
     except DistributedOptimizerError as exc:
         for name, message in exc.failures.items():
             logger.warning("could not release local optimizer %s: %s", name, message)
-
-
-# The constructor's signature is ``__init__``'s (what help(), IDEs and the API page show),
-# not ``__new__``'s catch-all, which only gives a bad first call a clear error.
-DistributedOptimizer.__new__.__signature__ = inspect.signature(DistributedOptimizer.__init__)  # type: ignore[attr-defined]

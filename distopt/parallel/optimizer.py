@@ -25,7 +25,6 @@ after the first step, ``StepPlan._rebuild_at_first_step``. (``RoundRobin`` reduc
 nothing: ``step()`` → ``StepPlan._local_step_and_average``.)
 """
 import contextlib
-import inspect
 import logging
 import math
 import warnings
@@ -38,7 +37,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from distopt import _torch
-from distopt.arguments import check_class_then_params
+from distopt.arguments import class_then_params
 from distopt.param_groups import built_groups, check_groups
 from distopt.parallel import buffers as _buffers
 from distopt.parallel import checkpoint as _checkpoint
@@ -75,6 +74,8 @@ _DEFAULT_BUCKET_CAP_MB = 25.0
 _FIRST_BUCKET_BYTES = 1 << 20
 
 
+@class_then_params(
+    "params", "DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)")
 class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     r"""Data-parallel training with any torch.optim algorithm, on torch.distributed.
 
@@ -163,13 +164,6 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
     #: instead of unscaling ``.grad`` itself and skipping ``step()`` after an inf: ``step()``
     #: then steps as torch.optim steps under a scaler (and a skipped step still ends the step).
     _step_supports_amp_scaling = True
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "DataParallelOptimizer":
-        if cls.__init__ is DataParallelOptimizer.__init__:  # a subclass may take other arguments
-            check_class_then_params(
-                cls.__name__, args, kwargs, "params",
-                "DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)")
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -814,8 +808,3 @@ def _abandon(reducer: GradientReducer, private_group: Any) -> None:
     reducer.close(0.0)
     if private_group is not None and reducer._error is None:
         teardown.retire(private_group)
-
-
-# The constructor's signature is ``__init__``'s (what help(), IDEs and the API page show),
-# not ``__new__``'s catch-all, which only gives a bad first call a clear error.
-DataParallelOptimizer.__new__.__signature__ = inspect.signature(DataParallelOptimizer.__init__)  # type: ignore[attr-defined]

@@ -223,7 +223,7 @@ def test_grad_scaler_steps_as_under_ddp(ddp_semantics, case, run):
     """The AMP recipe from the first step (float16 autocast; scaler.scale(loss).backward(),
     [scaler.unscale_(opt) and a clip,] scaler.step(opt), scaler.update()): the parameters,
     the optimizer's state and the scale after every step are DDP + torch.optim +
-    GradScaler's, bit for bit, on every rank, through the skipped (overflowing) steps.
+    GradScaler's, bit for bit, on every rank, through the overflowing steps the scaler drops.
 
     float16 autocast on the CPU, 2 ranks, 6 steps of which 2 overflow, growth interval 2,
     against DDP + torch.optim + GradScaler on the same kernel (Adam and SGD with momentum
