@@ -103,6 +103,7 @@ with warnings.catch_warnings():  # torch.distributed.optim compiles its own clas
     warnings.filterwarnings("ignore", message="`torch.jit.", category=DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from distopt.parallel.sync import partition  # noqa: E402
+from distopt.profiling import all_threads_config  # noqa: E402
 from benchmarks._machine import free_port, machine, wchar  # noqa: E402
 from benchmarks._plot import pyplot  # noqa: E402
 
@@ -314,7 +315,7 @@ def timeline_phase(kind: str, options: Dict[str, Any], layers: int, world_size: 
 
     for _ in range(warmup):
         one_step()
-    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    config = all_threads_config()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 experimental_config=config) as prof:
         with record("timeline.barrier"):

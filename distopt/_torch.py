@@ -22,12 +22,18 @@ __all__ = [
     "PyRRef",
     "WeakIdKeyDictionary",
     "all_gather_flat",
+    "all_threads_profiler_config",
     "current_context_id",
     "ddp_delayed_params",
     "ddp_ignored_names",
     "destroy_private_group",
     "init_optimizer_internals",
+    "DDP_FIRST_BUCKET_BYTES",
+    "end_join",
+    "is_first_joinable",
     "jit_enabled",
+    "join_enabled",
+    "notify_join_context_as_first",
     "optimizer_hooks",
     "profiler_running",
     "known_worker_ids",
@@ -89,6 +95,70 @@ def ddp_delayed_params(ddp: Any) -> List[Any]:
     before it assigns ``self.module``.
     """
     return list(getattr(ddp, "_delay_all_reduce_params", ()))
+
+
+#: DDP's first bucket once it rebuilds its buckets (bytes), with its default cap.
+#: Needed so that a DataParallelOptimizer's rebuilt first bucket starts its reduction as
+#: early as DDP's; torch names it ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` only
+#: (1 MiB where it is missing).
+DDP_FIRST_BUCKET_BYTES: int = int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20))
+
+
+def join_enabled(joinable: Any) -> bool:
+    """Whether ``joinable`` is inside a ``Join`` block that is enabled (its ``JoinConfig``).
+
+    Needed because a Joinable's collectives outside backward start a Join round only under
+    Join, and torch keeps the flag in the Joinable's private ``_join_config``.
+    """
+    return bool(joinable._join_config.enable)
+
+
+def is_first_joinable(joinable: Any) -> bool:
+    """Whether ``joinable`` is the first one given to its ``Join`` (whose hook runs the
+    joined rank's iterations, and which notifies the Join context).
+
+    Needed because torch keeps it in the Joinable's private ``_join_config``.
+    """
+    return bool(joinable._join_config.is_first_joinable)
+
+
+def notify_join_context_as_first(joinable: Any) -> None:
+    """``Join.notify_join_context(joinable)`` as if it were the first Joinable of its Join.
+
+    Needed because a second DataParallelOptimizer in one Join starts Join iterations of its
+    own, and torch's notify does its all_reduce for the first Joinable only; its
+    ``_join_config`` is set for the call and restored.
+    """
+    from torch.distributed.algorithms.join import Join
+
+    config = joinable._join_config
+    if config.is_first_joinable:
+        Join.notify_join_context(joinable)
+        return
+    joinable._join_config = config._replace(is_first_joinable=True)
+    try:
+        Join.notify_join_context(joinable)
+    finally:
+        joinable._join_config = config
+
+
+def end_join(joinable: Any) -> None:
+    """Mark ``joinable``'s Join as over (``post_hook``): its collectives go back to normal.
+
+    Needed because a Join's config stays on the Joinable until the next Join replaces it;
+    torch keeps it in the private ``_join_config``.
+    """
+    joinable._join_config = joinable._join_config._replace(enable=False)
+
+
+def all_threads_profiler_config() -> Any:
+    """``torch.profiler``'s experimental config with ``profile_all_threads=True``.
+
+    Needed because a profiler records ranges on threads started before it (distopt's
+    communication and finishing threads, RPC's agent threads) only with it, and torch 2.13
+    offers it only as ``torch.profiler._ExperimentalConfig``.
+    """
+    return torch.profiler._ExperimentalConfig(profile_all_threads=True)
 
 
 def jit_enabled() -> bool:

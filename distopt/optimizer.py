@@ -33,7 +33,7 @@ from distopt.param_groups import (
     snapshot,
 )
 from distopt.profiling import profiler_range
-from distopt.shell import load_state_dict_with_hooks, refuse_add_param_group, state_dict_with_hooks
+from distopt.surface import load_state_dict_with_hooks, refuse_add_param_group, state_dict_with_hooks
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)

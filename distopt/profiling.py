@@ -21,9 +21,8 @@ One range per bucket or per owner, never per parameter, each named after what ru
 
 Distopt's communication and finishing threads (and the hooks' thread) are started at the
 first backward pass: ``torch.profiler`` records ranges on a thread started before it only
-when built with
-``experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True)``
-(torch 2.13). An owner's ``distopt.owner.step`` is recorded only by a profiler running in
+when built with ``experimental_config=distopt.profiling.all_threads_config()`` (torch's
+experimental ``profile_all_threads=True``, torch 2.13). An owner's ``distopt.owner.step`` is recorded only by a profiler running in
 the owner's process (with ``profile_all_threads=True``: RPC handlers run on the agent's
 threads); a trainer's profile, ``torch.profiler`` or ``torch.autograd.profiler``, shows the
 RPC calls but nothing of the owners' work (torch 2.13 warns "Profiling a distributed call
@@ -39,9 +38,9 @@ from typing import Any, ContextManager, Optional
 
 from torch.profiler import record_function
 
-from distopt._torch import profiler_running
+from distopt._torch import all_threads_profiler_config, profiler_running
 
-__all__ = ["profiler_range"]
+__all__ = ["all_threads_config", "profiler_range"]
 
 #: What a range is when no profiler runs: one reusable no-op context.
 _IDLE: ContextManager[Any] = contextlib.nullcontext()
@@ -61,3 +60,10 @@ def profiler_range(name: str, bucket: Optional[int] = None) -> ContextManager[An
     if not profiler_running():
         return _IDLE
     return record_function(name if bucket is None else f"{name}[bucket {bucket}]")
+
+
+def all_threads_config() -> Any:
+    """The ``experimental_config`` with which ``torch.profiler.profile`` records the ranges
+    of threads started before it (distopt's communication and finishing threads, RPC's
+    agent threads): torch's ``profile_all_threads=True``."""
+    return all_threads_profiler_config()

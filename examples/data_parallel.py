@@ -174,7 +174,7 @@ def train(rank: int, world_size: int, options: argparse.Namespace) -> None:
     modelled = modelled_bytes(opt)
     say(
         f"{world_size} ranks (gloo), {sum(p.numel() for p in model.parameters())} parameters "
-        f"in {len(opt._buckets)} buckets; {options.optimizer}(lr={options.lr}), "
+        f"in {len(opt.bucket_layout())} buckets; {options.optimizer}(lr={options.lr}), "
         f"compression={opt.compression!r}, sync={opt.sync!r}, shard={opt.shard!r}, "
         f"backward passes per step {options.backward_passes}; global batch "
         f"{options.batch_size} ({options.batch_size // world_size} per rank)",

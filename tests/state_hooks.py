@@ -1,5 +1,5 @@
 """torch.optim's four state-dict hooks on an optimizer: what runs, in which order, and
-whether what they return is used (``distopt.shell`` runs them for distopt's optimizers)."""
+whether what they return is used (``distopt.surface`` runs them for distopt's optimizers)."""
 from typing import Any, List, Tuple
 
 

@@ -7,15 +7,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distopt import _torch
-from distopt.arguments import check_arguments, check_bool, check_optimizer_class
+from distopt.arguments import check_bool, check_optimizer_class
 from distopt.param_groups import distinct
 from distopt.parallel import shard as _shard
 from distopt.parallel.compression import Compression
 from distopt.parallel.sync import RoundRobin, collective_device
 from functional._validation import iterable_argument
 
-__all__ = ["adopt", "check_class", "check_compression", "check_options", "check_same_everywhere",
+__all__ = ["check_class", "check_compression", "check_options", "check_same_everywhere",
            "group_info", "param_groups"]
 
 
@@ -125,24 +124,8 @@ def param_groups(params: Any) -> List[Dict[str, Any]]:
     return distinct(groups, "params", "tensor")
 
 
-def adopt(opt: torch.optim.Optimizer, optimizer_class: type, groups: List[Dict[str, Any]],
-          args: Any, kwargs: Dict[str, Any]) -> torch.optim.Optimizer:
-    """Check the optimizer's arguments, build ``optimizer_class`` over ``groups``
-    (``param_groups``; torch.optim's own checks and defaults) and make ``opt`` a torch.optim
-    optimizer over its param groups. Returns that optimizer."""
-    check_arguments(optimizer_class, args, kwargs, groups)
-    inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
-    opt.optimizer_class = optimizer_class
-    opt.defaults = inner.defaults
-    opt.param_groups = inner.param_groups
-    opt.state = inner.state
-    _torch.init_optimizer_internals(opt)
-    opt._hyper_keys = [k for k in opt.param_groups[0] if k != "params"]
-    return inner
-
-
 def check_same_everywhere(opt: Any, params: List[Tensor], group_of: List[int],
-                          bucket_cap_mb: float, outside: List[Tensor]) -> None:
+                          cap_bytes: int, outside: List[Tensor]) -> None:
     """Every rank must build the same buckets (one all_gather of a signature), or the
     collectives would pair unlike buckets: DDP refuses mismatched models too. With
     ``module=``, its other parameters and its buffers must match as well (they are
@@ -159,7 +142,7 @@ def check_same_everywhere(opt: Any, params: List[Tensor], group_of: List[int],
          for p, j in zip(params, group_of)],
         [sorted((k, repr(v)) for k, v in g.items() if k != "params")
          for g in opt.param_groups],
-        float(bucket_cap_mb), repr(opt.compression), repr(opt.sync), opt.shard,
+        cap_bytes, repr(opt.compression), repr(opt.sync), opt.shard,
         opt.backward_passes_per_step, opt.optimizer_class.__name__, module,
     ))
     mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64,

@@ -24,11 +24,11 @@ a file name outside the directory, a file missing, resized or corrupted; and a s
 for a parameter of another shape.
 
 Sharded, a rank reads the pieces it will hold once the load has cut its buckets as the
-saved state says (``DataParallelState._load_plan``), not those of its buckets before.
+saved state says (``distopt.parallel.state.load_plan``), not those of its buckets before.
 """
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,14 +36,15 @@ import torch.distributed as dist
 from distopt import manifest as _manifest
 from distopt.manifest import MANIFEST, crc32_of, write_atomic
 from distopt.parallel import shard as _shard
-from distopt.parallel.sync import all_gather_named, collective_device, global_rank
+from distopt.parallel import state as _state
+from distopt.parallel.sync import collective_device, global_rank, lost_agreement, refuse_everywhere
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "distopt.data_parallel"
 VERSION = 2
 
-__all__ = ["FORMAT", "MANIFEST", "load", "refuse_everywhere", "save"]
+__all__ = ["FORMAT", "MANIFEST", "load", "save"]
 
 
 def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
@@ -53,56 +54,8 @@ def _agree(ok: bool, opt: Any, what: str, path: str) -> bool:
     try:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=opt.process_group)
     except Exception as exc:
-        raise _lost(opt, f"{what} {path!r}", exc) from exc
+        raise lost_agreement(opt, f"{what} {path!r}", exc) from exc
     return bool(flag.item())
-
-
-def _lost(opt: Any, doing: str, exc: BaseException) -> RuntimeError:
-    return RuntimeError(
-        f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: {doing} could not "
-        f"agree with the other ranks (one died or timed out): {type(exc).__name__}: {exc}"
-    )
-
-
-def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, call: str,
-                      doing: str) -> None:
-    """Raise on every rank the same ValueError if any rank of ``opt``'s group refused its
-    part of a load (``error``: this rank's reason, or None), naming each refusing rank and
-    its reason; return if none did. One all_gather_object of the reasons: every rank calls
-    it, and every rank decides alike.
-
-    Args:
-        what: what was refused, for the message ("checkpoint", "state_dict").
-        call: the call every rank is in ("load()"), named if another rank is elsewhere.
-        doing: what the ranks were doing, should the collective fail ("load from '<dir>'").
-
-    Raises:
-        ValueError: some rank refused; nothing changed on any rank.
-        RuntimeError: the ranks could not agree (one died or timed out).
-    """
-    reason = None if error is None else str(error)
-    every: List[Optional[str]] = [reason]
-    if opt.world_size > 1:
-        try:
-            every = all_gather_named(call, reason, opt.process_group, opt.rank,
-                                     opt.world_size)
-        except RuntimeError as exc:
-            if "called different collectives" in str(exc):
-                raise
-            raise _lost(opt, doing, exc) from exc
-        except Exception as exc:
-            raise _lost(opt, doing, exc) from exc
-    by_reason: Dict[str, List[int]] = {}
-    for rank, message in enumerate(every):
-        if message is not None:
-            by_reason.setdefault(message, []).append(rank)
-    if not by_reason:
-        return
-    refusals = "; on ".join(
-        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}"
-        for message, ranks in by_reason.items()
-    )
-    raise ValueError(f"Invalid {what} on {refusals} (nothing changed on any rank)") from error
 
 
 def save(opt: Any, path: str) -> Dict[str, Any]:
@@ -112,7 +65,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         group = opt.process_group
         dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     except Exception as exc:
-        raise _lost(opt, f"save to {path!r}", exc) from exc
+        raise lost_agreement(opt, f"save to {path!r}", exc) from exc
     generation = box[0]
     per_rank = opt.sync is not None
     sharded = opt.shard is not None
@@ -120,7 +73,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     error = None
     try:
         os.makedirs(path, exist_ok=True)
-        sd = opt._state_dict(gather=False)
+        sd = _state.state_dict(opt, gather=False)
         sd.pop("residuals_of", None)  # the residuals file's name says whose
         residuals = sd.pop("residuals", None)
         codec_state = sd.pop("compression", None)
@@ -153,7 +106,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         )
     except Exception as exc:
         _manifest.prune(path, lambda name: name in written)
-        raise _lost(opt, f"save to {path!r}", exc) from exc
+        raise lost_agreement(opt, f"save to {path!r}", exc) from exc
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -162,7 +115,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         "world_size": opt.world_size,
         "state_per_rank": per_rank,
         "shard": opt.shard,
-        "residuals": opt._codec.error_feedback or opt._codec.state_dict() is not None,
+        "residuals": opt.reduction.error_feedback or opt.reduction.state_dict() is not None,
         "files": {name: record for part in records for name, record in part.items()},
     }
     error = None
@@ -222,9 +175,9 @@ def load(opt: Any, path: str) -> None:
             sd = torch.load(name, weights_only=True)
         if compression is not None:
             sd["compression"] = compression
-        if manifest["residuals"] and opt._codec.error_feedback:
+        if manifest["residuals"] and opt.reduction.error_feedback:
             sd["residuals"] = part
-        loader = opt._checked_loader(sd, plan, agreed=True)
+        loader = _state.checked_loader(opt, sd, plan, agreed=True)
     except Exception as exc:  # reported on every rank below
         error = exc
     # Every rank raises the same message, naming the ranks that refused and why.
@@ -236,20 +189,20 @@ def load(opt: Any, path: str) -> None:
 def _join_shards(opt: Any, path: str, manifest: Dict[str, Any],
                  compression: Any) -> Tuple[Dict[str, Any], Any]:
     """The state this rank needs, in torch.optim's format, from a sharded checkpoint of any
-    world size, and ``opt._load_plan``'s plan for it: whole parameters, joined from every
+    world size, and ``distopt.parallel.state.load_plan``'s plan for it: whole parameters, joined from every
     shard file that holds a piece of one (read memory-mapped); each piece is checked to be
     there exactly once, and each parameter to have the shape it was saved with.
 
     The pieces this rank needs are those it holds once the load has cut its buckets as the
     saved state says (``compression``'s layout, or the files' ``"layout"``): not
     necessarily those of its buckets now."""
-    trained = opt._bucketed
+    trained = opt.bucketed
     loaded = []
     for r in range(manifest["world_size"]):
         name = _checked(path, manifest, _file_name(manifest["generation"], "shard", r))
         loaded.append((name, torch.load(name, weights_only=True, mmap=True)))
     layout = loaded[0][1].get("layout") if loaded else None
-    plan = opt._load_plan({"compression": compression, "layout": layout})
+    plan = _state.load_plan(opt, {"compression": compression, "layout": layout})
     needed = set(plan[1]) if opt.shard is not None else set(trained)
     parts: Dict[int, List[Any]] = {}
     groups = None

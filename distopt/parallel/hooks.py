@@ -35,10 +35,18 @@ from distopt.parallel import arguments as _arguments
 from distopt.parallel import teardown
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, reduction_for
-from distopt.parallel.plan import amp_scaling, drop_amp_scaling
-from distopt.parallel.state import CompiledState, foreign_residuals, saved_layout
+from distopt.parallel import state as _state
+from distopt.parallel.amp import amp_scaling, drop_amp_scaling
+from distopt.parallel.state import foreign_residuals, saved_layout
+from distopt.parallel.units import CompiledUnits, Unit
 from distopt.profiling import profiler_range
-from distopt.shell import indexed_groups, load_state_dict_with_hooks, refuse_add_param_group
+from distopt.surface import (
+    become_torch_optimizer,
+    indexed_groups,
+    load_state_dict_with_hooks,
+    refuse_add_param_group,
+    state_dict_with_hooks,
+)
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)
@@ -95,12 +103,12 @@ class CompressionHookState:
         # the state closes (at exit, too), which stops its gloo worker threads before the
         # interpreter tears down (``distopt.parallel.teardown``). Over a group of the user's
         # own, that group (a copy would need every rank of the default group).
-        self._comm_group = group
+        self.comm_group = group
         if world_size > 1 and (group is None or group is dist.group.WORLD):
-            self._comm_group = _torch.private_group()
+            self.comm_group = _torch.private_group()
         # DDP's buckets are not known before its first backward pass (``bucket.last`` is
         # set from DDP's own at each call).
-        self._codec = reduction_for(compression).bound(self._comm_group, rank, world_size, [])
+        self.reduction = reduction_for(compression).bound(self.comm_group, rank, world_size, [])
         self.compression = compression
         self.process_group = group
         self.rank = rank
@@ -117,12 +125,12 @@ class CompressionHookState:
         self._handles: List[Any] = []
         self._jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
         self._threads: List[threading.Thread] = []  # the finishing thread, once started
-        self._closed = False
+        self.closed = False
         # Dropped without close(): stop the thread, retire the private group (the exit joins
         # and drops them, waiting; ``distopt.parallel.teardown``).
-        private = self._comm_group if self._comm_group is not group else None
-        self._dropped = teardown.on_drop(self, _abandon, self._jobs, private)
-        teardown.close_at_exit(self)
+        private = self.comm_group if self.comm_group is not group else None
+        self.dropped = teardown.on_drop(self, _abandon, self._jobs, private)
+        teardown.close_at_exit(self._close)
 
     def __repr__(self) -> str:
         return (f"CompressionHookState(compression={self.compression!r}, rank={self.rank}, "
@@ -131,7 +139,7 @@ class CompressionHookState:
     @property
     def error_feedback(self) -> bool:
         """Whether each rank keeps residuals (``TopK`` / ``Threshold`` with error feedback)."""
-        return self._codec.error_feedback
+        return self.reduction.error_feedback
 
     # ------------------------------------------------------------ the hook's thread
 
@@ -151,7 +159,7 @@ class CompressionHookState:
                 raised; RuntimeError: a collective could not be issued (naming this rank and
                 the bucket).
         """
-        if self._closed:
+        if self.closed:
             raise RuntimeError(
                 f"Invalid backward pass: the {type(self).__name__} of this DDP model's "
                 f"communication hook is closed (expected a new DDP model and hook: DDP "
@@ -171,7 +179,7 @@ class CompressionHookState:
         who = (self.rank, self.world_size, self.compression)
         try:
             with profiler_range("distopt.ddp.reduce", index):
-                pending = self._codec.issue(bucket, self._comm_group, self.world_size)
+                pending = self.reduction.issue(bucket, self.comm_group, self.world_size)
         except RuntimeError as exc:
             raise RuntimeError(f"{_where(who, bucket)} could not be issued: {exc}") from exc
         finally:
@@ -181,7 +189,7 @@ class CompressionHookState:
         if not self._threads:
             self._threads.append(teardown.start_thread(_finish_in_order, (self._jobs,),
                                                        f"distopt-ddp-hook-{self.rank}"))
-        self._jobs.put((self._codec, pending, bucket, future, self._after, who))
+        self._jobs.put((self.reduction, pending, bucket, future, self._after, who))
         # DDP reads the value in C++, where an exception set from Python is only a value;
         # raised in a callback, it marks the chained future failed, which DDP does raise.
         return future.then(lambda done: done.wait())
@@ -200,7 +208,7 @@ class CompressionHookState:
                 for p in bucket.params
             )
             self.compression.check_bucket(bucket)
-        if self._codec.error_feedback:
+        if self.reduction.error_feedback:
             bucket.residual = torch.zeros_like(bucket.buffer[:bucket.numel])
             for p, o in zip(bucket.params, bucket.offsets):
                 part = bucket.residual[o:o + p.numel()]
@@ -226,8 +234,8 @@ class CompressionHookState:
 
     def _close(self, timeout_s: Optional[float]) -> bool:
         """``close()``, waiting up to ``timeout_s`` for the thread; whether it stopped."""
-        self._closed = True
-        self._dropped.detach()
+        self.closed = True
+        self.dropped.detach()
         self._jobs.put(None)
         self._threads = teardown.joined(self._threads, timeout_s)
         if self._threads:
@@ -251,7 +259,7 @@ class CompressionHookState:
         Raises:
             ValueError: no error feedback, or ``value`` not shaped like ``param``.
         """
-        if not self._codec.error_feedback:
+        if not self.reduction.error_feedback:
             raise ValueError(
                 f"Invalid set_residual: {self.compression!r} keeps no residuals (expected "
                 f"TopK or Threshold with error_feedback=True)"
@@ -365,7 +373,7 @@ def compression_hook(
     return CompressionHookState(compression, process_group), _reduce_bucket
 
 
-class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
+class OptimizerInBackward(torch.optim.Optimizer):
     r"""A torch.optim optimizer that steps each DDP bucket's parameters as soon as DDP has
     averaged it, during backward. Build it with ``optimizer_hook``.
 
@@ -442,7 +450,7 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
             )
         groups = _arguments.param_groups(params)
         # torch.optim's own checks and defaults (the step is the compiled one).
-        _arguments.adopt(self, optimizer_class, groups, args, kwargs)
+        become_torch_optimizer(self, optimizer_class, groups, args, kwargs)
         reduced = _reduced_by(ddp_model)
         reduced_ids = {id(p) for _, p in reduced}
         for j, g in enumerate(self.param_groups):  # tensors: torch.optim checked them
@@ -469,14 +477,17 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
         }
         group_params = [list(g["params"]) for g in self.param_groups]
         indices = [g["params"] for g in indexed_groups(self.param_groups)]
-        self._units_of_group = [[j] for j in range(len(groups))]
-        self._compile([(ps, ix, {k: v for k, v in g.items() if k != "params"})
-                       for ps, ix, g in zip(group_params, indices, groups)], args, kwargs)
-        self._step_group = self._local.module.step_group
+        hyper_keys = [k for k in self.param_groups[0] if k != "params"]
+        #: The compiled steps: one unit per param group.
+        self._units = CompiledUnits(optimizer_class, hyper_keys)
+        self._units.compile([Unit(ps, ix, {k: v for k, v in g.items() if k != "params"})
+                             for ps, ix, g in zip(group_params, indices, groups)],
+                            [[j] for j in range(len(groups))], args, kwargs, self.param_groups)
+        self._step_group = self._units.steps.module.step_group
+        self._warned_residuals = False
         #: What ``param_groups`` must keep: the compiled steps and bucket plans are built once.
-        self._built = built_groups(
-            type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
-        )
+        self._built = built_groups(type(self).__name__, self.param_groups, hyper_keys,
+                                   optimizer_class)
         self._stepped = False  # a bucket stepped since the last step()
         self._skips_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
         if self._skips_unused:
@@ -540,7 +551,7 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
     def _before_backward(self) -> None:
         """Changed hyper-parameters reach the compiled steps (before bucket 0 is sent)."""
         check_groups(self.param_groups, self._built)
-        self._apply_changes()
+        self._units.apply_changes(self.param_groups)
 
     def _step_bucket(self, bucket: Bucket) -> None:
         """Step the parameters of one averaged bucket (finishing thread)."""
@@ -569,10 +580,11 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
         (global index -> this rank's residual, for the parameters this rank has one of)."""
-        return self._state_dict()
+        check_groups(self.param_groups, self._built)
+        return state_dict_with_hooks(self, self._make_state_dict)
 
-    def _make_state_dict(self, gather: bool) -> Dict[str, Any]:
-        sd = self._compiled_state_dict()
+    def _make_state_dict(self) -> Dict[str, Any]:
+        sd = _state.compiled_state_dict(self._units, self.param_groups)
         if self.hook_state.error_feedback:
             params = [p for g in self.param_groups for p in g["params"]]
             residuals = {i: self.hook_state.residual(p) for i, p in enumerate(params)}
@@ -597,12 +609,12 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
 
     def _load(self, state_dict: Dict[str, Any]) -> None:
         saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
-        self._check_saved_hyper(saved_groups)
+        _state.check_saved_groups(self.optimizer_class, self._units.hyper_keys, saved_groups)
         position = {saved: i for i, saved in enumerate(saved_ids)}
         state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
-        self._local.check_torch_state(state)
+        self._units.check_state(state)
         params = [p for g in self.param_groups for p in g["params"]]
-        residuals = self._checked_residuals(state_dict, position, dict(enumerate(params)))
+        residuals = _state.checked_residuals(state_dict, position, dict(enumerate(params)))
         if residuals and not self.hook_state.error_feedback:
             raise ValueError(
                 f"Invalid state_dict['residuals']: {len(residuals)} residuals, and "
@@ -613,11 +625,11 @@ class OptimizerInBackward(CompiledState, torch.optim.Optimizer):
             state_dict, type(self).__name__, self.hook_state.rank, self.hook_state.world_size,
             "each rank's own state_dict(), saved by every rank: "
             "torch.save(opt.state_dict(), f'opt-rank{rank}.pt')")
-        self._load_units(saved_groups, state)
-        self._adopt_groups(saved_groups)
+        self._units.load(saved_groups, state)
+        _state.adopt_groups(self.param_groups, saved_groups, self._units)
         for i, value in residuals.items():
             self.hook_state.set_residual(params[i], value)
-        self._warn_residuals_once(foreign, stacklevel=5)
+        self._warned_residuals = _state.warn_residuals_once(foreign, self._warned_residuals, 5)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the compiled optimizers are built once.

@@ -27,16 +27,21 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch.distributed.algorithms.join import JoinHook
 
-from distopt._torch import all_gather_flat, private_group
+from distopt._torch import (
+    all_gather_flat,
+    end_join,
+    is_first_joinable,
+    notify_join_context_as_first,
+    private_group,
+)
 from distopt.arguments import check_bool
 from distopt.parallel import buffers as _buffers
 from distopt.parallel.powersgd import PowerSGD
-from distopt.parallel.sync import global_rank
-from distopt.param_groups import check_groups
+from distopt.parallel.sync import collective_device, global_rank
 
-__all__ = ["Round", "buffers_round", "consolidate_round", "join_hook", "reduction_round",
+__all__ = ["JoinState", "Round", "buffers_round", "consolidate_round", "join_hook", "reduction_round",
            "register", "save_round", "send_step"]
 
 #: What the active ranks are about to do, in a round: broadcast the buffers before a forward,
@@ -84,13 +89,33 @@ def group_for(process_group: Any) -> Any:
     return held[1]
 
 
-def register(opt: Any) -> None:
-    """Give a new DataParallelOptimizer its tag (``_OPTIMIZERS``)."""
-    opt._join_tag = next(_TAGS)
-    #: Whether this rank shadowed an iteration of ``opt`` in the Join block now open: then
-    #: it is not the last to join, whatever its Join says (nested Joins, ``post_hook``).
-    opt._join_shadowed = False
-    _OPTIMIZERS[opt._join_tag] = opt
+class JoinState:
+    """What one DataParallelOptimizer's engine keeps for Join.
+
+    Attributes:
+        tag: its number in the order of construction (``_OPTIMIZERS``).
+        divide: Join's ``divide_by_initial_world_size`` (set by ``join_hook``).
+        source: the highest active rank of the last round.
+        packet: some rank has joined, and this step must send what it reads (``send_step``).
+        shadowed: this rank shadowed an iteration of the optimizer in the Join block now
+            open: then it is not the last to join, whatever its Join says (nested Joins,
+            ``post_hook``).
+    """
+
+    __slots__ = ("tag", "divide", "source", "packet", "shadowed")
+
+    def __init__(self) -> None:
+        self.tag = -1
+        self.divide = True
+        self.source = 0
+        self.packet = False
+        self.shadowed = False
+
+
+def register(engine: Any) -> None:
+    """Give a new DataParallelOptimizer's engine its tag (``_OPTIMIZERS``)."""
+    engine.join.tag = next(_TAGS)
+    _OPTIMIZERS[engine.join.tag] = engine
 
 
 class Round(NamedTuple):
@@ -107,7 +132,7 @@ def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
     (TypeError: ``divide_by_initial_world_size`` is not a bool)."""
     divide = kwargs.get("divide_by_initial_world_size", True)
     check_bool("divide_by_initial_world_size", divide)
-    if opt._closed:
+    if opt.status.closed:
         raise ValueError(
             "Invalid Join: this DataParallelOptimizer is closed (expected an open one)"
         )
@@ -117,13 +142,13 @@ def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
             f"rank's would pull the others' back (expected sync=None to train on uneven "
             f"inputs)"
         )
-    if not divide and isinstance(opt._codec, PowerSGD):
+    if not divide and isinstance(opt.reduction, PowerSGD):
         raise ValueError(
             f"Invalid Join: divide_by_initial_world_size=False with compression="
             f"{opt.compression!r}: torch's powerSGD_hook divides by the group's size (expected "
             f"divide_by_initial_world_size=True, or another compression)"
         )
-    opt._join_divide = divide
+    opt.join.divide = divide
     group_for(opt.process_group)  # every rank builds its Join alike: made here, if new
     return _JoinHook(opt)
 
@@ -175,43 +200,43 @@ class _JoinHook(JoinHook):
         """Shadow one iteration of the active ranks: the first DataParallelOptimizer given
         to ``Join`` shadows every round, whichever optimizer the active ranks run it for
         (each round is one of Join's iterations); the others' hooks do nothing."""
-        if not self.opt._join_config.is_first_joinable:
+        if not is_first_joinable(self.opt.surface):
             return
         step = _round(self.opt, 0)
         opt = step.opt
-        opt._join_shadowed = True
+        opt.join.shadowed = True
         if step.plan == _SAVE:
             from distopt.parallel import checkpoint as _checkpoint  # it imports this module
 
             _checkpoint.save(opt, _share(opt, None, joined=True))
         elif step.plan == _GATHER:
-            opt._consolidate(_share(opt, None, joined=True))
+            opt.consolidate(_share(opt, None, joined=True))
         elif step.plan == _BUFFERS:
-            _buffers.broadcast(list(opt.module.buffers()), step.source, opt._forward_group)
+            _buffers.broadcast(list(opt.module.buffers()), step.source, opt.forward_group)
         elif step.plan == _STEP:
-            _shadow_step(opt, _step_packet(opt, None, joined=True))
+            opt.shadow_step(_step_packet(opt, None, joined=True))
         else:
-            _shadow_reduction(opt, _divisor(opt, step), bool(step.plan & _IN_BACKWARD))
+            opt.shadow_reduction(_divisor(opt, step), bool(step.plan & _IN_BACKWARD))
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank has joined: the buffers of the highest last joiner, as DDP's."""
         opt = self.opt
-        opt._join_config = opt._join_config._replace(enable=False)  # back to the first rank
+        end_join(opt.surface)  # back to the first rank
         # An outer Join of nested ones finds every rank joined at once: this rank's last
         # iteration of ``opt`` tells whether it joined before the others.
-        is_last_joiner = is_last_joiner and not opt._join_shadowed
-        opt._join_shadowed = False
+        is_last_joiner = is_last_joiner and not opt.join.shadowed
+        opt.join.shadowed = False
         # Every rank broadcasts at its next forward (a joined rank's last forward is older).
-        opt._sync_next_forward = True
+        opt.sync_next_forward = True
         if opt.module is None or not opt.broadcast_buffers or opt.world_size == 1:
             return
         buffers = list(opt.module.buffers())
         if not buffers:
             return
         source = torch.tensor([opt.rank if is_last_joiner else -1], dtype=torch.int64,
-                              device=opt.join_device)
-        dist.all_reduce(source, op=dist.ReduceOp.MAX, group=opt._forward_group)
-        _buffers.broadcast(buffers, int(source.item()), opt._forward_group)
+                              device=collective_device(opt.process_group))
+        dist.all_reduce(source, op=dist.ReduceOp.MAX, group=opt.forward_group)
+        _buffers.broadcast(buffers, int(source.item()), opt.forward_group)
 
 
 def _notify(opt: Any) -> None:
@@ -219,25 +244,17 @@ def _notify(opt: Any) -> None:
     one that counts the active ranks before each iteration. Every round is an iteration,
     whichever optimizer runs it, so a second optimizer in one Join notifies as the first
     one does (``Join.notify_join_context`` does it for the first only)."""
-    config = opt._join_config
-    if config.is_first_joinable:
-        Join.notify_join_context(opt)
-        return
-    opt._join_config = config._replace(is_first_joinable=True)
-    try:
-        Join.notify_join_context(opt)
-    finally:
-        opt._join_config = config
+    notify_join_context_as_first(opt.surface)
 
 
 def _round(opt: Any, plan: int) -> Round:
     """The round that starts an iteration: ``plan`` on an active rank, 0 on a joined one.
     Every rank all-gathers (active, plan, optimizer tag) on ``opt.join_process_group``."""
-    group = opt.join_process_group
-    device = opt.join_device
+    group = group_for(opt.process_group)
+    device = collective_device(opt.process_group)
     if plan:
         _notify(opt)
-    mine = torch.tensor([1 if plan else 0, plan, opt._join_tag if plan else -1],
+    mine = torch.tensor([1 if plan else 0, plan, opt.join.tag if plan else -1],
                         dtype=torch.int64, device=device)
     every = torch.empty(3 * opt.world_size, dtype=torch.int64, device=device)
     all_gather_flat(every, mine, group=group)
@@ -256,7 +273,7 @@ def _round(opt: Any, plan: int) -> Round:
             f"DataParallelOptimizers built in the same order)"
         )
     plan_of_all, tag = plans.pop()
-    target = opt if tag == opt._join_tag else _OPTIMIZERS.get(tag)
+    target = opt if tag == opt.join.tag else _OPTIMIZERS.get(tag)
     if target is None or target.world_size != opt.world_size:
         raise RuntimeError(
             f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: under Join, the "
@@ -265,29 +282,29 @@ def _round(opt: Any, plan: int) -> Round:
             f"DataParallelOptimizers built in the same order on every rank, each given to "
             f"Join, and none closed before the Join block ends)"
         )
-    if target._closed:
+    if target.status.closed:
         raise RuntimeError(
             f"Invalid Join: DataParallelOptimizer number {tag} was closed on rank {opt.rank} "
             f"while the other ranks still train (expected close() after the Join block)"
         )
     step = Round(plan_of_all, max(active), len(active), target)
-    target._join_source = step.source
+    target.join.source = step.source
     if step.plan == _REDUCE | _IN_BACKWARD and step.active < target.world_size:
         _share(target, None, joined=not plan)
     return step
 
 
 def _divisor(opt: Any, step: Round) -> Optional[int]:
-    return None if opt._join_divide else step.active
+    return None if opt.join.divide else step.active
 
 
 def _share(opt: Any, extra: Any, joined: bool) -> Any:
     """The source's hyper-parameters (``param_groups`` but ``params``) and ``extra`` to
     every rank (one ``broadcast_object_list``); a joined rank takes the hyper-parameters (a
     Tensor value in place, as a scheduler keeps it). Returns the source's ``extra``."""
-    group = opt._forward_group
-    values = [([{k: g[k] for k in opt._hyper_keys} for g in opt.param_groups], extra)]
-    dist.broadcast_object_list(values, src=global_rank(group, opt._join_source), group=group)
+    group = opt.forward_group
+    values = [([{k: g[k] for k in opt.hyper_keys} for g in opt.param_groups], extra)]
+    dist.broadcast_object_list(values, src=global_rank(group, opt.join.source), group=group)
     hyper, extra = values[0]
     if joined:
         for g, theirs in zip(opt.param_groups, hyper):
@@ -310,11 +327,11 @@ def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any
     if scaling is not None:
         numbers = tuple(None if t is None else (t.tolist(), t.dtype) for t in scaling)
     numbers = _share(opt, numbers, joined)
-    group = opt._forward_group
-    src = global_rank(opt._forward_group, opt._join_source)
-    for bucket in opt._buckets:
+    group = opt.forward_group
+    src = global_rank(opt.forward_group, opt.join.source)
+    for bucket in opt.buckets:
         packet = torch.zeros_like(bucket.buffer)
-        if opt.rank == opt._join_source:
+        if opt.rank == opt.join.source:
             for slot, p in enumerate(bucket.params):
                 if p.grad is not None:
                     start = bucket.offsets[slot]
@@ -330,44 +347,6 @@ def _step_packet(opt: Any, scaling: Optional[Any], joined: bool) -> Optional[Any
             bucket.unused = [slot for slot, flag in enumerate(flags) if flag == 0]
     if not joined or numbers is None:
         return None
-    device = opt._buckets[0].buffer.device
+    device = opt.buckets[0].buffer.device
     return tuple(None if n is None else torch.tensor(n[0], dtype=n[1], device=device)
                  for n in numbers)
-
-
-def _shadow_reduction(opt: Any, divisor: Optional[int], in_backward: bool) -> None:
-    """A joined rank's share of the active ranks' reduction, with zero gradients."""
-    if opt._reducer is None:
-        return
-    if opt._closed:
-        raise RuntimeError(
-            "Invalid Join: this DataParallelOptimizer was closed while the other ranks "
-            "still train (expected close() after the Join block)"
-        )
-    opt._check_untrained()
-    check_groups(opt.param_groups, opt._built)
-    opt._apply_changes()  # the active ranks' hyper-parameters (join._round)
-    opt._in_backward = in_backward
-    opt._join_packet = False
-    opt._rebuild_pending = False  # the active ranks keep theirs while a rank has joined
-    for bucket in opt._buckets:
-        bucket.divisor = divisor
-    try:
-        opt._reducer.shadow()
-    finally:
-        if in_backward:
-            opt._reducer.reset()
-            opt._state_generation += 1  # stepped during the shadowed backward
-
-
-def _shadow_step(opt: Any, scaling: Optional[Any]) -> None:
-    """A joined rank's share of the active ranks' ``step()``, on what they sent."""
-    try:
-        opt._apply_changes()
-        opt._agree_grad_edits(own=False)  # as the active ranks decide, after this packet
-        opt._step_all(scaling)
-        opt._last_step_unscaled = scaling is None
-        opt._fresh = False
-    finally:
-        opt._reducer.reset()
-        opt._state_generation += 1

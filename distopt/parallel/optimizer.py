@@ -6,60 +6,51 @@ bucket is stepped by compiled functional optimizers (one per bucket and param gr
 ``overlap=True`` as soon as its average arrives, without the GIL: no torch.optim algorithm
 couples parameters, so stepping bucket by bucket equals one step, bit for bit. Classes with
 no functional twin step eagerly after the last bucket. This module holds the public
-methods; each other job has a module: ``arguments``, ``plan``, ``shard``, ``state``,
-``checkpoint``, ``teardown``, ``join``, ``buffers``.
+methods and holds the engine (``distopt.parallel.engine``); each other job has a module:
+``arguments``, ``plan``, ``units``, ``status``, ``shard``, ``state``, ``checkpoint``,
+``teardown``, ``join``, ``buffers``, ``amp``.
 
-One backward pass, as data:
+One backward pass, as data (``distopt.parallel.engine`` holds each part):
 backward → the parameter's post-accumulate-grad hook (``reducer.GradientReducer.on_grad``;
-the window's first calls ``plan.StepPlan._before_reduction``: ``param_groups`` checked,
-changed hyper-parameters sent to the compiled steps, the plan chosen, a Join round) → its
-gradient into its ``buckets.Bucket`` (``.grad`` becomes a view of it) → the bucket full:
-the communication thread issues its collective (``compression`` / ``powersgd``: ``issue``)
-→ the finishing thread completes it (``finish``, ``Bucket.leave_unused``) →
-``StepPlan._on_reduced``: stepping during backward, the bucket's compiled steps (sharded:
-this rank's pieces, then ``shard.gather`` / ``shard.store``) → the pass's final callback
-flushes what the pass did not reach and waits for every bucket. ``step()`` →
-``GradientReducer.complete`` (waits) → buckets not stepped during backward (GradScaler,
-clipping, eager classes): ``StepPlan._step_all`` (sharded: then ``shard.gather_all``) →
-after the first step, ``StepPlan._rebuild_at_first_step``. (``RoundRobin`` reduces
-nothing: ``step()`` → ``StepPlan._local_step_and_average``.)
+the window's first calls the engine's ``open_window``: ``param_groups`` checked, changed
+hyper-parameters sent to the compiled steps, where the buckets step decided, a Join round)
+→ its gradient into its ``buckets.Bucket`` (``.grad`` becomes a view of it) → the bucket
+full: the communication thread issues its collective (``compression`` / ``powersgd``:
+``issue``) → the finishing thread completes it (``finish``, ``Bucket.leave_unused``) → the
+engine's ``reduced``: stepping during backward, the bucket's compiled steps (``units``;
+sharded: this rank's pieces, then ``start_gather`` / ``store_gather``) → the pass's final
+callback flushes what the pass did not reach and waits for every bucket. ``step()`` → the
+engine's ``step``: its refusals, ``GradientReducer.complete`` (waits), the buckets not
+stepped during backward (GradScaler, clipping, eager classes: ``step_all``; sharded: then
+``shard.gather_all``), after the first step ``rebuild_at_first_step``. (``RoundRobin``
+reduces nothing: each rank steps, then averages one partition.)
 """
 import contextlib
 import logging
-import math
-import warnings
-import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from distopt import _torch
 from distopt.arguments import class_then_params
-from distopt.param_groups import built_groups, check_groups
 from distopt.parallel import buffers as _buffers
 from distopt.parallel import checkpoint as _checkpoint
 from distopt.parallel import join as _join
-from distopt.parallel import teardown
+from distopt.parallel import state as _state
 from distopt.parallel import wrapped as _wrapped
-from distopt.parallel.arguments import (
-    adopt,
-    check_class,
-    check_options,
-    check_same_everywhere,
-    group_info,
-    param_groups,
-)
-from distopt.parallel.buckets import assign_buckets
-from distopt.parallel.compression import Compression, reduction_for
-from distopt.parallel.plan import StepPlan, amp_scaling, drop_amp_scaling, weak_call
-from distopt.parallel.reducer import GradientReducer
-from distopt.parallel.sync import RoundRobin, collective_device, partition
-from distopt.parallel.teardown import close_at_exit
+from distopt.parallel.amp import amp_scaling, drop_amp_scaling
+from distopt.parallel.arguments import check_class, check_options, group_info, param_groups
+from distopt.parallel.compression import Compression
+from distopt.parallel.engine import DataParallelEngine, Options
+from distopt.parallel.sync import RoundRobin, collective_device
 from distopt.profiling import profiler_range
-from distopt.shell import load_state_dict_with_hooks, refuse_add_param_group
+from distopt.surface import (
+    become_torch_optimizer,
+    load_state_dict_with_hooks,
+    refuse_add_param_group,
+)
 from functional import functional_optim_map
 
 logger = logging.getLogger(__name__)
@@ -68,15 +59,11 @@ __all__ = ["DataParallelOptimizer"]
 
 #: The default ``bucket_cap_mb``, DDP's.
 _DEFAULT_BUCKET_CAP_MB = 25.0
-#: The first bucket's cap once the buckets are rebuilt, with the default cap: DDP's
-#: (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so that the first reduction starts
-#: as early as DDP's.
-_FIRST_BUCKET_BYTES = 1 << 20
 
 
 @class_then_params(
     "params", "DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)")
-class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
+class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
     r"""Data-parallel training with any torch.optim algorithm, on torch.distributed.
 
     Use it where you would wrap the model in DDP and build a torch.optim optimizer: the
@@ -193,7 +180,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             module, [p for g in groups for p in g["params"]], broadcast_buffers
         )
         # torch.optim's own checks and defaults, and (eager) the optimizer that steps.
-        inner = adopt(self, optimizer_class, groups, args, kwargs)
+        inner = become_torch_optimizer(self, optimizer_class, groups, args, kwargs)
         _wrapped.check_not_wrapped(
             [p for g in self.param_groups for p in g["params"] if p.requires_grad], module)
         self.process_group, self.rank, self.world_size = group, rank, world_size
@@ -205,124 +192,27 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         self.broadcast_buffers = broadcast_buffers
         self.backward_passes_per_step = backward_passes_per_step
         self.is_functional_optim = not eager
-        self._eager = inner if eager else None
-
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        group_of = [j for j, g in enumerate(self.param_groups) for _ in g["params"]]
-        trained = [i for i, p in enumerate(all_params) if p.requires_grad]
-        self._untrained = [(i, p) for i, p in enumerate(all_params) if not p.requires_grad]
-        self._closed = False
-        self._comm_group: Any = None  # where the communication thread issues
-        teardown.take_over(all_params)
-        self._codec = codec = reduction_for(compression)
-        self._cap_bytes = max(1, int(bucket_cap_mb * 2**20))
+        cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         # DDP's rebuilt buckets start with a small one, with the default cap only.
-        self._first_cap_bytes = (
-            min(self._cap_bytes, _FIRST_BUCKET_BYTES)
-            if bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB else None
-        )
-        self._buckets = assign_buckets(
-            [all_params[i] for i in trained], trained, self._cap_bytes
-        )
-        #: Global index -> parameter, for every parameter in a bucket.
-        self._bucketed = {i: p for b in self._buckets for i, p in zip(b.positions, b.params)}
-        if compression is not None:
-            compression.check_params(
-                (f"parameter {i} (shape {tuple(all_params[i].shape)})", all_params[i])
-                for i in trained
-            )
-        self._prepare_buckets()
-        check_same_everywhere(self, all_params, group_of, bucket_cap_mb, outside)
-        # As DDP at construction: the module's other parameters and its buffers too.
-        if world_size > 1:
-            _buffers.broadcast(all_params + outside + (
-                list(module.buffers()) if module is not None and broadcast_buffers else []
-            ), 0, group)
-        self._group_of = group_of
-        #: What builds the compiled steps: the arguments and each group's options as given.
-        self._ctor = (args, kwargs, [{k: v for k, v in g.items() if k != "params"}
-                                     for g in groups])
-        self._plan_units()
-        #: What ``param_groups`` must keep: the buckets and compiled steps are built once.
-        self._built = built_groups(
-            type(self).__name__, self.param_groups, self._hyper_keys, optimizer_class
-        )
-
-        self._round = 0
-        self._reducer: Optional[GradientReducer] = None
-        if sync is not None:
-            self._trained = [all_params[i] for i in trained]
-            self._partitions = partition(self._trained, sync.k)
-        elif self._buckets:
-            # The communication thread issues on a group of its own, so that collectives of
-            # other threads (another optimizer, SyncBatchNorm's backward) cannot interleave;
-            # a group the user gives must be this optimizer's alone.
-            if group is None and world_size > 1:
-                self._comm_group = _torch.private_group()
-            else:
-                teardown.check_group_unshared(group)
-                self._comm_group = group
-            self._codec_config = codec
-            self._codec = codec.bound(self._comm_group, rank, world_size, self._buckets)
-            self._reducer = self._new_reducer(record=rebuild_buckets)
-        #: Whether the buckets are cut again, in the order of the first step's gradients,
-        #: at the end of that step (``_rebuild_at_first_step``).
-        self._rebuild_pending = rebuild_buckets and self._reducer is not None
-        #: No step taken and no state loaded yet: there is no optimizer state anywhere.
-        self._fresh = True
-        teardown.claim(all_params, self)
-        _wrapped.register(self)  # a DDP built over these parameters later is refused
-        if self._reducer is not None:
-            close_at_exit(self)
-            self._watch()
-        #: Where this optimizer's collectives outside backward go (buffers, Join's rounds):
-        #: the communication thread's group, idle between steps (``distopt.parallel.join``).
-        self._forward_group = self._comm_group if self._comm_group is not None else group
-        #: Whether the next forward broadcasts the buffers (DDP's require_forward_param_sync).
-        self._sync_next_forward = True
-        #: Join's ``divide_by_initial_world_size`` (set by ``join_hook``), the source of
-        #: its last round, and whether this step must send what it reads to joined ranks.
-        self._join_divide = True
-        self._join_source = 0
-        self._join_packet = False
-        self._forward_hook: Any = None
-        if module is not None:
-            call = weak_call(self._before_forward)
-            self._forward_hook = module.register_forward_pre_hook(
-                _outside_graphs(lambda _m, _a: call()))
-            weakref.finalize(self, self._forward_hook.remove)
-        self._warned_late_change = False
-        #: Whether the last step() came without a GradScaler (see ``_next_plan``).
-        self._last_step_unscaled = False
-        #: Whether the training loop changes ``.grad`` between backward and ``step()``
-        #: (``clip_grad_norm_``, a scaling): seen once, every later step waits for ``step()``
-        #: (``_next_plan``).
-        self._grads_edited = False
-        #: Counts the steps and loads: what a consolidated state_dict was taken at.
-        self._state_generation = 0
-        #: ``consolidate_state_dict``'s result on the rank it was sent to: (generation, dict).
-        self._consolidated: Optional[Any] = None
-        _join.register(self)
-        #: What each trained parameter was at construction (``_check_params_unchanged``).
-        self._record_params()
-        #: Whether this window's buckets step as they arrive (decided as it begins).
-        self._in_backward = False
+        first_cap_bytes = (min(cap_bytes, _torch.DDP_FIRST_BUCKET_BYTES)
+                           if bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB else None)
+        options = Options(group, rank, world_size, compression, sync, overlap, shard, module,
+                          broadcast_buffers, backward_passes_per_step, cap_bytes,
+                          first_cap_bytes, rebuild_buckets)
+        self._engine = DataParallelEngine(self, options, inner if eager else None, groups,
+                                          args, kwargs, outside)
+        engine = self._engine
         logger.info(
             "rank %d of %d: %d parameters in %d buckets, %s, compression=%r, sync=%r",
-            rank, world_size, len(trained), len(self._buckets),
-            "compiled" if self._local is not None else "eager", compression, sync,
+            rank, world_size, len(engine.bucketed), len(engine.buckets),
+            "compiled" if engine.units.steps is not None else "eager", compression, sync,
         )
-
-    def _watch(self) -> None:
-        """Dropped without close(): stop the threads, retire the private group."""
-        private = self._comm_group if self._comm_group is not self.process_group else None
-        self._dropped = teardown.on_drop(self, _abandon, self._reducer, private)
 
     def bucket_layout(self) -> List[List[int]]:
         """The buckets, in reduction order, as the global indices of their parameters (in
         each bucket's buffer order): reverse registration order at construction, the order
         the first step's gradients arrived after it (``rebuild_buckets``)."""
-        return [list(b.positions) for b in self._buckets]
+        return self._engine.bucket_layout()
 
     def step(self, closure: Optional[Any] = None) -> Optional[Any]:  # type: ignore[override]
         """Finish averaging this step's gradients and update the parameters.
@@ -360,7 +250,12 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         scaling = amp_scaling(self)
         try:
             with profiler_range("distopt.DataParallelOptimizer.step"):
-                return self._step(closure, scaling)
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                self._engine.step(scaling)
+                return loss
         except BaseException:
             if scaling is not None:
                 # GradScaler.step deletes them after a step that returns; after one that
@@ -368,115 +263,22 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
                 drop_amp_scaling(self)
             raise
         finally:
-            self._state_generation += 1  # a consolidated state_dict is now out of date
-
-    def _step(self, closure: Optional[Any], scaling: Optional[Any]) -> Optional[Any]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Also here: the reduction's own check, at its start, precedes the gradients of
-        # the parameters backward reaches last.
-        self._check_untrained()
-        if self._closed:
-            raise RuntimeError(
-                "Invalid step: this DataParallelOptimizer is closed (by close(), its `with` "
-                "block, or a newer DataParallelOptimizer over the same parameters)"
-            )
-        # Before anything is completed or stepped: restored, the next step() finishes this one.
-        check_groups(self.param_groups, self._built)
-        if self.sync is not None:
-            self._check_params_unchanged()  # no reduction checked them
-            self._local_step_and_average(scaling)
-            self._last_step_unscaled = scaling is None
-            return loss
-        if self._reducer is None:
-            return loss
-        if scaling is not None and not self._reducer.reducing:
-            # The scaler looked for inf/NaN in this rank's own gradients: its verdict, and
-            # so its next scale, may differ between ranks. Nothing is changed.
-            raise RuntimeError(
-                "Invalid step: a GradScaler checked this step's gradients for inf/NaN before "
-                "they were averaged (fewer than backward_passes_per_step backward passes, or "
-                "passes only inside no_sync(), since the last step), so its verdict and its "
-                "next scale may differ between ranks; nothing was stepped (expected the "
-                "reducing backward pass before scaler.step(opt): the "
-                "backward_passes_per_step-th, or the last one outside no_sync())"
-            )
-        self._reducer.complete()
-        try:
-            stepped = self._in_backward
-            poisoned = self._reducer.poisoned
-            if stepped and scaling is not None:
-                self._last_step_unscaled = False  # the next step waits for the scaler
-                raise RuntimeError(
-                    "Invalid step: a GradScaler steps this DataParallelOptimizer, but the step "
-                    "before this one came without it, so this step's buckets were stepped "
-                    "during backward with the scaled gradients (overlap=True steps buckets "
-                    "during backward once a step() without a GradScaler has shown the "
-                    "gradients unscaled); from the next step on the step waits for the "
-                    "scaler (expected the GradScaler from the first step on, or "
-                    "overlap=False)"
-                )
-            if scaling is not None and self._reducer.broken:
-                raise RuntimeError(
-                    "Invalid step: a backward pass raised after this step's reduction had "
-                    "begun, and a GradScaler checked the gradients for inf/NaN before the "
-                    "rest of them were averaged, so its verdict may differ between ranks; "
-                    "the step is dropped (expected zero_grad() and this step's backward "
-                    "again)"
-                )
-            if poisoned is not None and not stepped:
-                raise RuntimeError(
-                    f"Invalid step: a backward pass refused since the last step had already "
-                    f"added its gradient to parameter {poisoned}'s .grad before it was "
-                    f"refused, so this step's gradients are no longer the averages; the step "
-                    f"is dropped (expected zero_grad() and this step's backward again)"
-                )
-            if stepped and poisoned is None and not self._reducer.broken:
-                self._check_grads_kept()
-            if self._apply_changes() and stepped and not self._warned_late_change:
-                self._warned_late_change = True
-                warnings.warn(
-                    "DataParallelOptimizer: param_groups changed after this step's "
-                    "reduction began; with overlap=True its buckets were stepped during "
-                    "backward with the previous values, and the new ones apply from the next "
-                    "step (change hyper-parameters before backward, e.g. scheduler.step() "
-                    "after opt.step(), or build with overlap=False)",
-                    stacklevel=3,
-                )
-            if not stepped:
-                # A cast between backward and step() (the reduction checked them before).
-                self._check_params_unchanged()
-                if self._join_packet:  # some rank has joined: what this step reads
-                    _join.send_step(self, scaling)
-                # After Join's packet: a joined rank agrees in its shadow of this step.
-                self._agree_grad_edits(own=poisoned is None)
-                self._step_all(scaling)
-            self._last_step_unscaled = scaling is None
-        finally:
-            self._reducer.reset()
-        self._fresh = False
-        if self._rebuild_pending:
-            if self._join_packet:  # a rank has joined: it cannot follow; every rank keeps them
-                self._rebuild_pending = False
-            else:
-                self._rebuild_at_first_step()
-        return loss
+            self._engine.status.generation += 1  # a consolidated state_dict is out of date
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without reducing, as DDP's
         ``no_sync``; the first pass outside (or ``step()``) reduces the sum."""
-        if self._reducer is None:
+        reducer = self._engine.reducer
+        if reducer is None:
             yield
             return
-        previous = self._reducer.no_sync
-        self._reducer.no_sync = True
+        previous = reducer.no_sync
+        reducer.no_sync = True
         try:
             yield
         finally:
-            self._reducer.no_sync = previous
+            reducer.no_sync = previous
 
     def clip_grad_norm_(
         self,
@@ -507,36 +309,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             ValueError: ``param_groups`` no longer hold the parameters it was built with
                 (``distopt.param_groups.check_groups``).
         """
-        check_groups(self.param_groups, self._built)
-        # In torch.optim's order (the param groups'), not the buckets': the norm is summed in
-        # the order torch.nn.utils.clip_grad_norm_(model.parameters()) sums it, bit for bit.
-        params = [self._bucketed[i] for i in sorted(self._bucketed)]
-        if self.sync is not None:
-            grads = [p.grad for p in params if p.grad is not None]
-            local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-            total = local.detach().clone().to(torch.float64)
-            if math.isinf(norm_type):
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
-            else:
-                total.pow_(norm_type)
-                dist.all_reduce(total, group=self.process_group)
-                total.pow_(1.0 / norm_type)
-            total = total.to(local.dtype)
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-            return total
-        if self._reducer is not None and self._reducer.reducing and self._in_backward:
-            raise RuntimeError(
-                "Invalid clip_grad_norm_: with overlap=True and no clipping in the first "
-                "step, this step's buckets were stepped during backward, as soon as their "
-                "gradients were averaged, so there is nothing left to clip (expected "
-                "clipping from the first step on: then every step waits for step() and is "
-                "clipped; or DataParallelOptimizer(..., overlap=False))"
-            )
-        if self._reducer is not None:
-            self._reducer.complete()
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type, error_if_nonfinite, foreach
-        )
+        return self._engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The state in torch.optim's format; with error feedback also ``"residuals"``
@@ -552,10 +325,11 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             RuntimeError: sharded, and no ``consolidate_state_dict`` sent this rank the state
                 since the last step or load (at once: nothing waits for the other ranks).
         """
+        engine = self._engine
         if self.shard is None:
-            return self._state_dict(gather=True)  # nothing to gather: no collective
-        consolidated = self._consolidated
-        if consolidated is not None and consolidated[0] == self._state_generation:
+            return _state.state_dict(engine)  # nothing to gather: no collective
+        consolidated = engine.consolidated
+        if consolidated is not None and consolidated[0] == engine.status.generation:
             return consolidated[1]
         when = ("" if consolidated is None else
                 " (the state it consolidated last is out of date: a step or a load came since)")
@@ -589,15 +363,9 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             )
         if self.shard is None:
             return
-        if self._join_config.enable:  # ranks that have joined gather with us
-            _join.consolidate_round(self, to)
-        self._consolidate(to)
-
-    def _consolidate(self, to: Optional[int]) -> None:
-        state = self._state_dict(gather=True)
-        self._consolidated = (
-            (self._state_generation, state) if to is None or to == self.rank else None
-        )
+        if _torch.join_enabled(self):  # ranks that have joined gather with us
+            _join.consolidate_round(self._engine, to)
+        self._engine.consolidate(to)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict of this class (a local torch.optim one too); everything is
@@ -611,23 +379,26 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             RuntimeError: sharded, inside a ``Join`` block (a rank that has joined cannot
                 load with the others), at once, before anything is read.
         """
-        if self.shard is not None and self._join_config.enable:
+        if self.shard is not None and _torch.join_enabled(self):
             raise RuntimeError(
                 f"Invalid load_state_dict on rank {self.rank}: with shard={self.shard!r} it is "
                 f"a collective, and inside a Join block a rank that has run out of batches "
                 f"cannot load with the others; nothing was read (expected load_state_dict "
                 f"before the Join block)"
             )
-        self._state_generation += 1
-        load_state_dict_with_hooks(self, state_dict, lambda sd: self._checked_loader(sd)())
+        engine = self._engine
+        engine.status.generation += 1
+        load_state_dict_with_hooks(self, state_dict,
+                                   lambda sd: _state.checked_loader(engine, sd)())
 
     def state_bytes(self) -> int:
         """The bytes of optimizer state this rank holds (its shard, when sharded): every
         state tensor, step counts included; not the gradient buckets or residuals."""
-        if self._eager is not None:
-            entries = list(self._eager.state.values())
+        engine = self._engine
+        if engine.eager is not None:
+            entries = list(engine.eager.state.values())
         else:
-            entries = list(self._local.torch_state(copy=False).values()) if self._local else []
+            entries = list(engine.units.torch_state(copy=False).values())
         return sum(v.numel() * v.element_size() for e in entries for v in e.values()
                    if isinstance(v, Tensor))
 
@@ -638,13 +409,14 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         Raises:
             ValueError: the compression's bytes depend on the gradients (Threshold).
         """
+        buckets = self._engine.buckets
         by_dtype: Dict[torch.dtype, List[Any]] = {}
-        for b in self._buckets:
+        for b in buckets:
             by_dtype.setdefault(b.dtype, []).append((b.numel, len(b.params)))
-        total = sum(self._codec.bytes_per_step(numels, dtype, self.world_size)
+        total = sum(self._engine.reduction.bytes_per_step(numels, dtype, self.world_size)
                     for dtype, numels in by_dtype.items())
         if self.shard is not None:
-            total += sum(b.shard.gathered_bytes(self.world_size) for b in self._buckets)
+            total += sum(b.shard.gathered_bytes(self.world_size) for b in buckets)
         return total
 
     def save(self, path: str) -> Dict[str, Any]:
@@ -666,9 +438,9 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             RuntimeError: some rank could not write (on every rank; nothing of this save is
                 left behind).
         """
-        if self._join_config.enable:
-            _join.save_round(self, path)
-        return _checkpoint.save(self, path)
+        if _torch.join_enabled(self):
+            _join.save_round(self._engine, path)
+        return _checkpoint.save(self._engine, path)
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by ``save``; every rank calls it.
@@ -682,14 +454,14 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             RuntimeError: inside a ``Join`` block (a rank that has joined cannot load with
                 the others), at once, before anything is read.
         """
-        if self._join_config.enable:
+        if _torch.join_enabled(self):
             raise RuntimeError(
                 f"Invalid load on rank {self.rank}: inside a Join block, where a rank that "
                 f"has run out of batches cannot load with the others; nothing was read "
                 f"(expected opt.load({path!r}) before the Join block)"
             )
-        self._state_generation += 1
-        _checkpoint.load(self, path)
+        self._engine.status.generation += 1
+        _checkpoint.load(self._engine, path)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the buckets are fixed at construction.
@@ -705,50 +477,13 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         another DataParallelOptimizer over the same parameters (or use the optimizer as a
         context manager); an optimizer that is no longer referenced closes itself, and one
         still open when the interpreter exits is closed then (``distopt.parallel.teardown``)."""
-        self._close(None)
-
-    def _close(self, timeout_s: Optional[float]) -> bool:
-        """``close()``, waiting up to ``timeout_s`` for each thread; whether they stopped
-        with no collective failed (only then is the private group destroyed)."""
-        self._closed = True
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-        if self._reducer is None:
-            return True
-        self._dropped.detach()
-        stopped = self._reducer.close(timeout_s)
-        if stopped:
-            teardown.release_private(self)
-            self._forward_group = self.process_group
-        return stopped
+        self._engine.close()
 
     def __enter__(self) -> "DataParallelOptimizer":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _before_forward(self) -> None:
-        """``module``'s forward pre-hook: the buffers broadcast, as DDP does."""
-        sync = self._sync_next_forward
-        self._sync_next_forward = torch.is_grad_enabled() and (
-            self._reducer is None or self._reducer.next_pass_reduces()
-        )
-        if not (sync and self.broadcast_buffers and self.world_size > 1):
-            return
-        buffers = list(self.module.buffers())
-        if not buffers:
-            return
-        if self._reducer is not None and self._reducer.broken:
-            # Its gathers may still be in flight on the group the broadcast would use.
-            raise RuntimeError(
-                "Invalid forward: the previous backward pass raised after the reduction of "
-                "this step's gradients had begun on this rank, so the module's buffers "
-                "cannot be broadcast yet (expected step() first: it reduces and applies "
-                "the gradients that pass reached, on every rank alike)"
-            )
-        source = _join.buffers_round(self) if self._join_config.enable else 0
-        _buffers.broadcast(buffers, source, self._forward_group)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """What this optimizer does on a rank that has run out of batches, under
@@ -764,7 +499,7 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
             ValueError: the optimizer is closed, or uses ``RoundRobin``, or PowerSGD with
                 ``divide_by_initial_world_size=False``.
         """
-        return _join.join_hook(self, **kwargs)
+        return _join.join_hook(self._engine, **kwargs)
 
     @property
     def join_device(self) -> torch.device:
@@ -780,31 +515,3 @@ class DataParallelOptimizer(StepPlan, torch.optim.Optimizer, Joinable):
         would not pair with these. Made at the first ``Join`` (``join_hook``, which every
         rank calls as it builds its Join)."""
         return _join.group_for(self.process_group)
-
-
-#: Why the buffers' broadcast stays out of torch.compile's graphs (dynamo prints it where
-#: ``fullgraph=True`` cannot break the graph there).
-_OUTSIDE_GRAPHS = (
-    "distopt: DataParallelOptimizer(..., module=model) broadcasts model's buffers before each "
-    "forward, a collective that runs outside any compiled graph; with "
-    "torch.compile(model, fullgraph=True) pass the compiled module instead: "
-    "compiled = torch.compile(model, fullgraph=True); "
-    "DataParallelOptimizer(..., module=compiled) (or compile with fullgraph=False)"
-)
-
-
-def _outside_graphs(hook: Any) -> Any:
-    """``hook`` run eagerly where torch.compile traces the module it is registered on: a
-    graph break (and, with ``fullgraph=True``, dynamo's error with ``_OUTSIDE_GRAPHS``).
-    Imports torch._dynamo (about 1 s, once per process)."""
-    try:
-        return torch.compiler.disable(hook, reason=_OUTSIDE_GRAPHS)
-    except TypeError:  # a torch whose disable() takes no reason
-        return torch.compiler.disable(hook)
-
-
-def _abandon(reducer: GradientReducer, private_group: Any) -> None:
-    """An optimizer was freed without ``close()``: stop its threads, retire its group."""
-    reducer.close(0.0)
-    if private_group is not None and reducer._error is None:
-        teardown.retire(private_group)

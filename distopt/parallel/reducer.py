@@ -5,7 +5,7 @@ One ``GradientReducer`` serves one DataParallelOptimizer, in windows that each e
 the others accumulate in ``.grad``. The communication thread issues every collective in
 bucket order (gloo requires the same order on every rank); sharded, also each bucket's
 gather once it is stepped, right after the next bucket's reduction. The finishing thread
-waits for each and calls ``on_reduced`` (or ``store``). At the end of the reducing pass
+waits for each and hands each bucket to the sink (``reduced``, or ``store_gather``). At the end of the reducing pass
 (the autograd engine's final callback) what the pass did not reach is flushed and every
 bucket awaited, so ``.grad`` holds the averages when ``backward()`` returns, as under DDP;
 ``complete()`` (from ``step()``) does the same for a window whose reducing pass never came.
@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -40,13 +40,15 @@ class GradientReducer:
         codec: how each bucket is reduced.
         group: the process group (None: the default one); ``rank``, ``world_size``: in it.
         passes_per_step: backward passes per reduction.
-        before_reduction: called once per window before its first bucket is handed over
-            (backward's thread, or ``complete``); may raise.
-        on_reduced: called on the finishing thread with each reduced bucket and the slots
-            of the parameters no rank gave a gradient whose ``.grad`` is None here.
-        gather: sharded state: called on the communication thread with a bucket
-            ``on_reduced`` has stepped; starts its gather, returns what ``store`` takes
-            (on the finishing thread). None: no gathers.
+        sink: where each window goes (held weakly; ``distopt.parallel.engine``): its
+            ``open_window()`` once per window before its first bucket is handed over
+            (backward's thread, or ``complete``; may raise), its ``reduced(bucket, unused)``
+            on the finishing thread with each reduced bucket and the slots of the
+            parameters no rank gave a gradient whose ``.grad`` is None here; with
+            ``gathers``, its ``start_gather(bucket)`` on the communication thread with a
+            bucket ``reduced`` has stepped (returns what the finishing thread hands to its
+            ``store_gather(bucket, pending)``, or None).
+        gathers: sharded state: the sink gathers each bucket stepped during backward.
         record_arrival: note each parameter's global index as its gradient arrives in the
             first backward pass (``take_arrivals``).
 
@@ -64,10 +66,8 @@ class GradientReducer:
         rank: int,
         world_size: int,
         passes_per_step: int,
-        before_reduction: Callable[[], None],
-        on_reduced: Callable[[Bucket, List[int]], None],
-        gather: Optional[Callable[[Bucket], Any]] = None,
-        store: Optional[Callable[[Bucket, Any], None]] = None,
+        sink: Any,
+        gathers: bool = False,
         record_arrival: bool = False,
     ) -> None:
         self.buckets = buckets
@@ -76,10 +76,8 @@ class GradientReducer:
         self.rank = rank
         self.world_size = world_size
         self.passes_per_step = passes_per_step
-        self.before_reduction = before_reduction
-        self.on_reduced = on_reduced
-        self.gather = gather
-        self.store = store
+        self._sink = weakref.ref(sink)
+        self.gathers = gathers
         self.no_sync = False
         self.reducing = False
         self._pass = 0
@@ -96,15 +94,15 @@ class GradientReducer:
         self._error: Optional[Tuple[str, BaseException]] = None
         self._cond = threading.Condition()
         self._ready: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
-        # (is a gather, bucket, what finishing it needs), in issue order
-        self._issued: "queue.SimpleQueue[Optional[Tuple[bool, Bucket, Any]]]" = queue.SimpleQueue()
+        #: What the finishing thread completes, in issue order.
+        self.issued: "queue.SimpleQueue[Optional[_Issued]]" = queue.SimpleQueue()
         self._threads: List[threading.Thread] = []
         self._recording = record_arrival
         self._arrivals: List[int] = []
         ref = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(_hook(ref, bucket, slot))
                          for bucket in buckets for slot, p in enumerate(bucket.params)]
-        weakref.finalize(self, _stop, self._ready, self._issued, list(self._handles))
+        weakref.finalize(self, _stop, self._ready, self.issued, list(self._handles))
 
     # ------------------------------------------------------------ backward thread
 
@@ -164,13 +162,28 @@ class GradientReducer:
         syncs = not self.no_sync
         reduces = self.next_pass_reduces()
         if reduces:
-            self.before_reduction()  # may raise: then this pass reduces nothing
+            self._open_window()  # may raise: then this pass reduces nothing
             self.reducing = True
         self._pass += 1
         self._pass_syncs = syncs
         self._pass_reduces = reduces
         self._pass_open = True
         queue_end_of_backward(_EndOfPass(weakref.ref(self), self._pass))
+
+    def _open_window(self) -> None:
+        sink = self._sink()
+        if sink is not None:
+            sink.open_window()
+
+    def end_of_pass(self, number: int) -> None:
+        """The final callback of backward pass ``number`` ran (``_EndOfPass``)."""
+        if self._pass_open and self._pass == number:
+            self._end_of_pass()
+
+    def pass_died(self, number: int) -> None:
+        """Backward pass ``number`` raised before its final callback (``_EndOfPass``)."""
+        if self._pass_open and self._pass == number:
+            self._pass_died()
 
     def _end_of_pass(self) -> None:
         self._pass_open = False
@@ -259,7 +272,7 @@ class GradientReducer:
             self._threads = [
                 start_thread(target, (ref, jobs), f"distopt-dp-{name}-rank{self.rank}")
                 for target, jobs, name in ((_communicate, self._ready, "comm"),
-                                           (_finish, self._issued, "finish"))
+                                           (_finish, self.issued, "finish"))
             ]
         self._ready.put(bucket.index)
 
@@ -313,7 +326,7 @@ class GradientReducer:
         """
         self._raise_error()
         if not self.reducing:
-            self.before_reduction()
+            self._open_window()
             self.reducing = True
             self._flush(lambda bucket, slot: True)
         else:
@@ -368,7 +381,7 @@ class GradientReducer:
         with self._cond:
             if reduced:
                 self._reduced += 1
-            if not reduced or self.gather is None:
+            if not reduced or not self.gathers:
                 self._done += 1
             self._cond.notify_all()
 
@@ -387,17 +400,47 @@ class GradientReducer:
             flight on ``group``, and the reducer lets go of it (``distopt.parallel.teardown``
             needs its last reference dropped to stop its worker threads).
         """
-        _stop(self._ready, self._issued, self._handles)
+        _stop(self._ready, self.issued, self._handles)
         self._handles = []
         self._threads = joined(self._threads, timeout_s)
         idle = not self._threads and self._error is None
         if idle:
-            self.group = self.gather = self.store = None
+            self.group = None
         return idle
+
+    @property
+    def failed(self) -> Optional[Tuple[str, BaseException]]:
+        """(what failed, the exception) once a collective or a step has failed, else None."""
+        return self._error
+
+    def reduced(self, bucket: Bucket, unused: List[int]) -> None:
+        """The finishing thread: a bucket's average is in, to the sink."""
+        sink = self._sink()
+        if sink is not None:
+            sink.reduced(bucket, unused)
+
+    def start_gather(self, bucket: Bucket) -> Any:
+        """The communication thread: a stepped bucket's gather, from the sink."""
+        sink = self._sink()
+        return None if sink is None else sink.start_gather(bucket)
+
+    def store_gather(self, bucket: Bucket, pending: Any) -> None:
+        """The finishing thread: a gather done, to the sink."""
+        sink = self._sink()
+        if sink is not None:
+            sink.store_gather(bucket, pending)
 
 
 #: The largest gradient (elements) copied each step to undo a refused pass (see _refused).
 _GUARD_NUMEL = 1 << 20
+
+
+class _Issued(NamedTuple):
+    """A collective the communication thread issued, for the finishing thread."""
+
+    gather: bool  #: a gather of stepped pieces (else a bucket's reduction)
+    bucket: Bucket
+    pending: Any  #: what completing it needs (the work, or the compression's pending state)
 
 
 class _EndOfPass:
@@ -411,15 +454,15 @@ class _EndOfPass:
     def __call__(self) -> None:
         self.called = True
         reducer = self.ref()
-        if reducer is not None and reducer._pass_open and reducer._pass == self.number:
-            reducer._end_of_pass()
+        if reducer is not None:
+            reducer.end_of_pass(self.number)
 
     def __del__(self) -> None:
         if self.called:
             return
         reducer = self.ref()
-        if reducer is not None and reducer._pass_open and reducer._pass == self.number:
-            reducer._pass_died()
+        if reducer is not None:
+            reducer.pass_died(self.number)
 
 
 def _hook(ref: "weakref.ref[GradientReducer]", bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
@@ -456,9 +499,9 @@ def _communicate(ref: "weakref.ref[GradientReducer]", ready: "queue.SimpleQueue[
                 reducer.fail(f"starting the reduction of {_describe(bucket)}", exc)
                 del reducer, bucket
                 return
-            reducer._issued.put((False, bucket, pending))
+            reducer.issued.put(_Issued(False, bucket, pending))
             del pending  # nothing of a step's collectives stays on this thread once it ends
-            if reducer.gather is not None:
+            if reducer.gathers:
                 # Each bucket's gather right after the next bucket's reduction (the last one
                 # after its own): the same order on every rank, whatever the timing.
                 last = following == len(reducer.buckets) - 1
@@ -479,11 +522,11 @@ def _issue_gather(reducer: GradientReducer, k: int) -> bool:
         return False
     bucket = reducer.buckets[k]
     try:
-        pending = reducer.gather(bucket)
+        pending = reducer.start_gather(bucket)
     except BaseException as exc:  # noqa: B902 - reported by step()
         reducer.fail(f"starting the gather of {_describe(bucket)}", exc)
         return False
-    reducer._issued.put((True, bucket, pending))
+    reducer.issued.put(_Issued(True, bucket, pending))
     return True
 
 
@@ -500,7 +543,7 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
         what = f"the {'gather' if gathered else 'reduction'} of {_describe(bucket)}"
         try:
             if gathered:
-                reducer.store(bucket, pending)
+                reducer.store_gather(bucket, pending)
                 reducer.bucket_done(False)
                 del reducer, bucket, pending, item
                 continue
@@ -508,7 +551,7 @@ def _finish(ref: "weakref.ref[GradientReducer]", issued: "queue.SimpleQueue[Any]
                 reducer.codec.finish(pending, bucket, reducer.world_size)
             unused = bucket.leave_unused()
             what = f"the step of {_describe(bucket)}"
-            reducer.on_reduced(bucket, unused)
+            reducer.reduced(bucket, unused)
         except BaseException as exc:  # noqa: B902 - reported by step()
             reducer.fail(what, exc)
             del reducer, bucket, pending, item

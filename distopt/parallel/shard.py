@@ -309,7 +309,7 @@ def piece_index(buckets: Sequence[Bucket]) -> Dict[int, Any]:
 def gathered_state(opt: Any, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
     """The whole state in torch.optim's format, keyed by global index, from every rank's
     pieces ``mine`` of ``opt`` (one all_gather_object), joined."""
-    pieces = piece_index(opt._buckets)
+    pieces = piece_index(opt.buckets)
     mine = {i: (pieces[i][0], pieces[i][1], entry) for i, entry in mine.items()}
     every: List[Any] = [mine]
     if opt.world_size > 1:
@@ -320,7 +320,7 @@ def gathered_state(opt: Any, mine: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[
         for i, part in theirs.items():
             parts.setdefault(i, []).append(part)
     flat = opt.shard == "flat"
-    return {i: merge_pieces(ps, opt._bucketed[i].shape, flat) for i, ps in parts.items()}
+    return {i: merge_pieces(ps, opt.bucketed[i].shape, flat) for i, ps in parts.items()}
 
 
 def own_pieces_of(opt: Any, state: Dict[int, Dict[str, Any]], saved_ids: Sequence[Any],
@@ -330,10 +330,10 @@ def own_pieces_of(opt: Any, state: Dict[int, Dict[str, Any]], saved_ids: Sequenc
     buckets the state goes to (default: ``opt``'s buckets now)."""
     out = {}
     if pieces is None:
-        pieces = piece_index(opt._buckets)
+        pieces = piece_index(opt.buckets)
     for i, want in pieces.items():
         if i in state:
-            p = opt._bucketed[i]
+            p = opt.bucketed[i]
             out[i] = cut_state(state[i], (0, p.numel(), p.shape), want,
                                f"state_dict['state'][{saved_ids[i]!r}]")
     return out
@@ -351,9 +351,9 @@ def check_laid_out(opt: Any, state: Dict[int, Dict[str, Any]]) -> None:
     if opt.shard != "flat":
         return
     for i, entry in sorted(state.items()):
-        if i not in opt._bucketed or not isinstance(entry, dict):
+        if i not in opt.bucketed or not isinstance(entry, dict):
             continue  # not trained here, or not an entry: the other checks name it
-        shape = list(opt._bucketed[i].shape)
+        shape = list(opt.bucketed[i].shape)
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.dim() > 0 and list(value.shape) != shape:
                 raise ValueError(

@@ -9,7 +9,7 @@ What is averaged with a partition's parameters: every state tensor shaped like i
 its turn a partition is the same on every rank, model and optimizer alike; ``step`` counts
 agree already. The averages are plain means, ``exp_avg_sq`` included.
 """
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,8 @@ from torch import Tensor
 
 from distopt.arguments import check_number
 
-__all__ = ["RoundRobin", "all_gather_named", "average_", "collective_device", "global_rank", "partition",
-           "through_flat"]
+__all__ = ["RoundRobin", "all_gather_named", "average_", "collective_device", "global_rank",
+           "lost_agreement", "partition", "refuse_everywhere", "through_flat"]
 
 
 class RoundRobin:
@@ -110,3 +110,52 @@ def all_gather_named(what: str, obj: Any, group: Any, rank: int, world_size: int
             f"{what} together)"
         )
     return [theirs[1] for theirs in every]
+
+
+def lost_agreement(opt: Any, doing: str, exc: BaseException) -> RuntimeError:
+    """The error when ``opt``'s ranks could not agree on ``doing`` (a collective failed)."""
+    return RuntimeError(
+        f"DataParallelOptimizer on rank {opt.rank} of {opt.world_size}: {doing} could not "
+        f"agree with the other ranks (one died or timed out): {type(exc).__name__}: {exc}"
+    )
+
+
+def refuse_everywhere(opt: Any, error: Optional[BaseException], what: str, call: str,
+                      doing: str) -> None:
+    """Raise on every rank the same ValueError if any rank of ``opt``'s group refused its
+    part of a load (``error``: this rank's reason, or None), naming each refusing rank and
+    its reason; return if none did. One all_gather_object of the reasons: every rank calls
+    it, and every rank decides alike.
+
+    Args:
+        what: what was refused, for the message ("checkpoint", "state_dict").
+        call: the call every rank is in ("load()"), named if another rank is elsewhere.
+        doing: what the ranks were doing, should the collective fail ("load from '<dir>'").
+
+    Raises:
+        ValueError: some rank refused; nothing changed on any rank.
+        RuntimeError: the ranks could not agree (one died or timed out).
+    """
+    reason = None if error is None else str(error)
+    every: List[Optional[str]] = [reason]
+    if opt.world_size > 1:
+        try:
+            every = all_gather_named(call, reason, opt.process_group, opt.rank,
+                                     opt.world_size)
+        except RuntimeError as exc:
+            if "called different collectives" in str(exc):
+                raise
+            raise lost_agreement(opt, doing, exc) from exc
+        except Exception as exc:
+            raise lost_agreement(opt, doing, exc) from exc
+    by_reason: Dict[str, List[int]] = {}
+    for rank, message in enumerate(every):
+        if message is not None:
+            by_reason.setdefault(message, []).append(rank)
+    if not by_reason:
+        return
+    refusals = "; on ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}"
+        for message, ranks in by_reason.items()
+    )
+    raise ValueError(f"Invalid {what} on {refusals} (nothing changed on any rank)") from error

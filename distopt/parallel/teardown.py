@@ -33,7 +33,7 @@ from distopt import _torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXIT_TIMEOUT_S", "check_group_unshared", "claim", "close_at_exit", "start_thread",
-           "joined", "on_drop", "release_private", "retire", "take_over"]
+           "joined", "on_drop", "release_private", "retire", "take_over", "weak_call"]
 
 #: The longest the exit waits for one optimizer's threads, then for every retired group's
 #: workers to let go (a collective whose peer is gone waits for the group's timeout).
@@ -47,15 +47,26 @@ _threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _registered = False
 
 
-def close_at_exit(closable: Any) -> None:
-    """Have ``closable._close(EXIT_TIMEOUT_S)`` called at interpreter exit if it is still
-    alive then (``_close`` returns whether everything stopped; calling it twice is
-    harmless)."""
+def close_at_exit(close: Callable[[float], bool]) -> None:
+    """Have ``close(EXIT_TIMEOUT_S)`` (a bound method, held weakly) called at interpreter
+    exit if its object is still alive then (it returns whether everything stopped; calling
+    it twice is harmless)."""
     with _lock:
         _register()
         for key in [k for k, ref in _open.items() if ref() is None]:
             del _open[key]
-        _open[next(_order)] = weakref.ref(closable)
+        _open[next(_order)] = weakref.WeakMethod(close)
+
+
+def weak_call(method: Any) -> Callable[..., Any]:
+    """``method`` without a strong reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
 
 
 def start_thread(target: Callable[..., None], args: Any, name: str) -> threading.Thread:
@@ -89,17 +100,17 @@ def _at_exit() -> None:
     with _lock:
         refs = [_open.pop(key) for key in sorted(_open)]
     for ref in refs:
-        closable = ref()
-        if closable is None:
+        close = ref()
+        if close is None:
             continue
+        name = type(close.__self__).__name__
         try:
-            if not closable._close(EXIT_TIMEOUT_S):
+            if not close(EXIT_TIMEOUT_S):
                 logger.warning("%s did not stop within %.0f s at exit (a collective in "
-                               "flight, or one that failed)", type(closable).__name__,
-                               EXIT_TIMEOUT_S)
+                               "flight, or one that failed)", name, EXIT_TIMEOUT_S)
         except Exception:  # noqa: B902 - the exit goes on; the rest still need closing
-            logger.exception("closing %s at exit failed", type(closable).__name__)
-        del closable
+            logger.exception("closing %s at exit failed", name)
+        del close
     with _lock:
         threads = list(_threads)
     joined(threads, EXIT_TIMEOUT_S)
@@ -109,8 +120,8 @@ def _at_exit() -> None:
                        "exit; its worker threads were left running", EXIT_TIMEOUT_S)
 
 
-# id(parameter) -> (weak parameter, weak optimizer) for parameters that some open
-# DataParallelOptimizer averages and steps (a closed one's entries are stale).
+# id(parameter) -> (weak parameter, weak engine) for parameters that some open
+# DataParallelOptimizer's engine averages and steps (a closed one's entries are stale).
 _CLAIMS: Dict[int, Any] = {}
 
 
@@ -119,7 +130,7 @@ def _claimant(p: Any) -> Any:
     if entry is None or entry[0]() is not p:
         return None
     opt = entry[1]()
-    return opt if opt is not None and not opt._closed else None
+    return opt if opt is not None and not opt.status.closed else None
 
 
 def take_over(params: List[Any]) -> None:
@@ -148,7 +159,7 @@ def check_group_unshared(group: Any) -> None:
     """Two communication threads on one group would issue in a different order per rank."""
     claimants = (wo() for _, wo in list(_CLAIMS.values()))
     if group is not None and any(
-        opt is not None and not opt._closed and opt._comm_group is group for opt in claimants
+        opt is not None and not opt.status.closed and opt.comm_group is group for opt in claimants
     ):
         raise ValueError(
             f"Invalid process_group: {group!r} already carries the reductions of another "
@@ -172,13 +183,13 @@ def retire(group: Any) -> None:
         _torch.destroy_private_group(group)
 
 
-def release_private(owner: Any) -> None:
-    """Let go of ``owner._comm_group`` where it is a private group (not ``process_group``),
+def release_private(engine: Any) -> None:
+    """Let go of ``engine.comm_group`` where it is a private group (not ``process_group``),
     nothing being in flight on it any more, and retire it."""
-    comm = owner._comm_group
-    if comm is not None and comm is not owner.process_group:
-        owner._comm_group = None
-        owner._codec.release_group()
+    comm = engine.comm_group
+    if comm is not None and comm is not engine.process_group:
+        engine.comm_group = None
+        engine.reduction.release_group()
         retire(comm)
 
 

@@ -80,7 +80,8 @@ def check_not_wrapped(params: List[Tensor], module: Optional[torch.nn.Module]) -
 
 
 def register(opt: Any) -> None:
-    """Watch ``opt`` (until it is closed or collected) for a DDP built over its parameters."""
+    """Watch ``opt`` (an engine: until it is closed or collected) for a DDP built over its
+    parameters."""
     _OPTIMIZERS.add(opt)
 
 
@@ -93,7 +94,7 @@ def _on_registration(parent: torch.nn.Module, name: str, submodule: Any) -> None
         return None
     named = _averaged(parent, submodule)
     for opt in list(_OPTIMIZERS):
-        if getattr(opt, "_closed", False):
+        if opt.status.closed:
             continue
         names = _shared((p for g in opt.param_groups for p in g["params"] if p.requires_grad), named)
         if names:

@@ -21,7 +21,7 @@ private modules have no page here and are let go.
 
 No private name on a public page. A base class whose name starts with ``_`` is shown as its
 nearest shown bases (``Bases: _Dense`` becomes ``Bases: distopt.parallel.Compression``), as
-is a class of this project that no page documents (a mixin such as ``StepPlan``); a public
+is a class of this project that no page documents (a private base class); a public
 base is shown by its documented name; and the public methods a class gets from such hidden
 bases are documented on the class itself (they are its API). Then every page with a
 ``public-api`` directive is read once more (``private_names``): a ``_``-prefixed name in a
@@ -123,7 +123,7 @@ def _private_class(cls: type) -> bool:
 def hidden(cls: Any, public: Optional[Dict[Any, str]] = None,
            packages: Sequence[str] = ()) -> bool:
     """Whether a base class has no place on a public page: a private one (``_Dense``), or
-    one of ``packages``'s that is not among the ``public`` classes (``StepPlan``)."""
+    one of ``packages``'s that is not among the ``public`` classes (a private base)."""
     if not inspect.isclass(cls):
         return False
     if _private_class(cls):

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from distopt import DistributedOptimizer, DistributedOptimizerError
 from distopt import local_optimizer, locks, owner
+from distopt.profiling import all_threads_config
 
 # ---------------------------------------------------------------- processes
 
@@ -439,7 +440,7 @@ _profile: Dict[str, Any] = {}
 
 
 def _profiling(started: Any, stop: Any, names: List[str]) -> None:
-    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    config = all_threads_config()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 experimental_config=config) as prof:
         started.set()

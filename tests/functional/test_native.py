@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from distopt import local_optimizer
+from distopt import compiled_steps
 from functional import FLAT_CLASSES, _flat, _native, flatten_parameters
 from functional._compile import script  # torch.jit.script without its deprecation warning
 
@@ -25,11 +25,11 @@ def test_the_native_ops_are_built_and_used():
     if os.environ.get("DISTOPT_NATIVE") == "0":
         assert not _native.AVAILABLE
         assert _flat.fill_flat_gradients is _flat._fill_script
-        assert local_optimizer.lookup_gradients is local_optimizer._lookup_script
+        assert compiled_steps.lookup_gradients is compiled_steps._lookup_script
         return
     assert _native.AVAILABLE
     assert _flat.fill_flat_gradients is _flat._fill_native
-    assert local_optimizer.lookup_gradients is local_optimizer._lookup_native
+    assert compiled_steps.lookup_gradients is compiled_steps._lookup_native
 
 
 def _members(n: int = 3):
@@ -109,7 +109,7 @@ def test_lookup_is_by_identity_like_torchscripts_dict():
 
 # ---------------------------------------------------------------- the TorchScript path
 # What a process without the native ops (no compiler, or DISTOPT_NATIVE=0) runs instead:
-# ``_flat._fill_script`` and ``local_optimizer._lookup_script``, compiled into the optimizers
+# ``_flat._fill_script`` and ``compiled_steps._lookup_script``, compiled into the optimizers
 # in place of the ops. Each is checked here against the op, eager and compiled, on every
 # kind of input the flat and owner tests give it.
 
@@ -204,14 +204,14 @@ def test_the_torchscript_lookup_is_by_identity_as_the_native_op(compiled: bool):
     params = [torch.zeros(3, requires_grad=True) for _ in range(3)]
     grads = {params[0]: torch.ones(3), params[2]: torch.full((3,), 2.0)}
     twin = torch.zeros(3, requires_grad=True)  # equal values, another tensor
-    lookup = local_optimizer._lookup_script
+    lookup = compiled_steps._lookup_script
     if compiled:
         lookup = script(lookup)
     found = lookup(grads, params + [twin])
     assert found[0] is grads[params[0]] and found[2] is grads[params[2]]
     assert found[1] is None and found[3] is None
     if _native.AVAILABLE:
-        native = local_optimizer._lookup_native(grads, params + [twin])
+        native = compiled_steps._lookup_native(grads, params + [twin])
         assert all(g is n for g, n in zip(found, native))
 
 

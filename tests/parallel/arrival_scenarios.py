@@ -139,7 +139,7 @@ def parity(rank: int, world_size: int) -> Dict[str, Any]:
                 "params": torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]),
                 "state": _flat_state(whole_state_dict(opt)),
                 "grads_are_views": all(
-                    any(p.grad is g for b in opt._buckets for g in b.grads)
+                    any(p.grad is g for b in opt._engine.buckets for g in b.grads)
                     for p in model.parameters()
                 ),
             }
@@ -457,7 +457,7 @@ def sharded_rank_without_pieces(rank: int, world_size: int) -> Dict[str, Any]:
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
         out[rebuild] = {"built": built, "layout": opt.bucket_layout(),
-                        "holds_pieces": opt._local is not None,
+                        "holds_pieces": opt._engine.units.steps is not None,
                         "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
         opt.close()
     return out

@@ -84,8 +84,8 @@ def _train_ours(rank, world_size, optimizer, steps, passes, psgd, eager=False, *
             loss_of(model, x, y).backward()
         opt.step()
         opt.zero_grad()
-    buckets = len(opt._buckets)
-    it = opt._codec.powersgd_state.iter
+    buckets = len(opt._engine.buckets)
+    it = opt._engine.reduction.powersgd_state.iter
     opt.close()
     return flat_params(model), buckets, it
 
@@ -147,12 +147,12 @@ def many_runs(rank: int, world_size: int, runs: int, steps: int) -> Dict[str, An
             loss_of(model, x, y).backward()
             opt.step()
             opt.zero_grad()
-        state = opt._codec.powersgd_state
+        state = opt._engine.reduction.powersgd_state
         out["params"].append(flat_params(model))
-        out["buckets"].append(len(opt._buckets))
+        out["buckets"].append(len(opt._engine.buckets))
         out["iter"].append(state.iter)
         out["compressed"].append(sorted(state.p_memory_dict))
-        comm = opt._comm_group
+        comm = opt._engine.comm_group
         weakref.finalize(comm, freed_here)
         opt.close()
         # destroyed, but still held by the codec's PowerSGD state: kept, not dropped
@@ -198,14 +198,14 @@ def sent_bytes(rank: int, world_size: int, steps: int) -> Dict[str, Any]:
         opt.step()
         measured.append(wchar() - before)
         opt.zero_grad()
-    numels = [(b.numel, len(b.params)) for b in opt._buckets]
+    numels = [(b.numel, len(b.params)) for b in opt._engine.buckets]
     out = {
         "measured": measured,
-        "modelled": opt._codec.bytes_per_step(numels, torch.float32, world_size),
-        "buckets": len(opt._buckets),
-        "split": [opt._codec.split(b) for b in opt._buckets],
-        "p_sizes": {i: t.numel() for i, t in opt._codec.powersgd_state.p_memory_dict.items()},
-        "q_sizes": {i: t.numel() for i, t in opt._codec.powersgd_state.q_memory_dict.items()},
+        "modelled": opt._engine.reduction.bytes_per_step(numels, torch.float32, world_size),
+        "buckets": len(opt._engine.buckets),
+        "split": [opt._engine.reduction.split(b) for b in opt._engine.buckets],
+        "p_sizes": {i: t.numel() for i, t in opt._engine.reduction.powersgd_state.p_memory_dict.items()},
+        "q_sizes": {i: t.numel() for i, t in opt._engine.reduction.powersgd_state.q_memory_dict.items()},
     }
     out["dense"] = 2.0 * (world_size - 1) / world_size * 4 * sum(n + k for n, k in numels)
     try:

@@ -191,7 +191,7 @@ def parity(rank: int, world_size: int, steps: int, modes: List[str]) -> Dict[str
                 overlap=mode.endswith("overlap"), **kwargs,
             )
             assert opt.is_functional_optim == (not mode.startswith("eager"))
-            assert len(opt._buckets) > 2
+            assert len(opt._engine.buckets) > 2
             for _ in range(steps):
                 loss_of(model, xs, ys).backward()
                 opt.step()

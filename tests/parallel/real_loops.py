@@ -186,7 +186,7 @@ def norm_logged_on_rank0(rank: int, world_size: int, shard: Optional[str]) -> Di
                 torch.nn.utils.clip_grad_norm_(m.parameters(), math.inf)
             o.step()
             o.zero_grad()
-        out["edited"].append(opt._grads_edited)
+        out["edited"].append((opt._engine.status.overlap.name == "GRADS_EDITED"))
         out["ours"].append(flat_params(model).clone())
         out["ddp"].append(flat_params(ref_model).clone())
     opt.close()
@@ -415,10 +415,10 @@ def untouched_grads_keep_overlapping(rank: int, world_size: int) -> Dict[str, An
             for micro in range(options.get("backward_passes_per_step", 1)):
                 x, y = _batch(it, micro, rank)
                 F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-            seen.append(opt._in_backward)
+            seen.append(opt._engine.status.in_backward)
             opt.step()
             opt.zero_grad()
-        out[name] = {"in_backward": seen, "edited": opt._grads_edited}
+        out[name] = {"in_backward": seen, "edited": (opt._engine.status.overlap.name == "GRADS_EDITED")}
         opt.close()
     return out
 

@@ -175,7 +175,7 @@ def refusals(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     where = os.path.join(path, "one-rank")
     opt.save(where)
     sd = whole_state_dict(opt)
-    out["holder"] = rank if 0 in shard_module.piece_index(opt._buckets) else 1 - rank
+    out["holder"] = rank if 0 in shard_module.piece_index(opt._engine.buckets) else 1 - rank
     if rank == 0:
         name = next(n for n in os.listdir(where) if n.endswith("-residuals-rank1.pt"))
         os.remove(os.path.join(where, name))

@@ -182,7 +182,7 @@ def grad_scaler(rank: int, world_size: int) -> Dict[str, Any]:
             try:  # every rank raises alike: the next run starts in step
                 out[f"{case}/{name}"] = _train(model, model, opt, rank, overflows,
                                                how.get("passes", 1), quiet, how.get("clip"))
-                out[f"{case}/{name}"]["buckets"] = len(opt._buckets)
+                out[f"{case}/{name}"]["buckets"] = len(opt._engine.buckets)
             except RuntimeError as exc:
                 out[f"{case}/{name}"] = {"error": str(exc)}
             opt.close()

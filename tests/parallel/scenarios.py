@@ -80,13 +80,13 @@ def bytes_per_step(rank: int, world_size: int) -> Dict[str, Any]:
                 continue  # the first step creates the state (RoundRobin averages it too)
             measured.append(after - before)
             if name == "roundrobin":
-                members = opt._partitions[(opt._round - 1) % 2]
-                numel = sum(opt._trained[m].numel() for m in members)
+                members = opt._engine.partitions[(opt._engine.round - 1) % 2]
+                numel = sum(opt._engine.trained[m].numel() for m in members)
                 # Parameter + exp_avg + exp_avg_sq, one all_reduce.
                 modelled.append(2.0 * (world_size - 1) / world_size * numel * 3 * 4)
             else:
                 modelled.append(opt.bytes_per_step())
-        out[name] = {"measured": measured, "modelled": modelled, "buckets": len(opt._buckets)}
+        out[name] = {"measured": measured, "modelled": modelled, "buckets": len(opt._engine.buckets)}
         opt.close()
     return out
 
@@ -101,7 +101,7 @@ def error_feedback(rank: int, world_size: int, scheme: str, overlap: bool) -> Di
     compression = TopK(0.1) if scheme == "topk" else Threshold(0.02)
     opt = DataParallelOptimizer(torch.optim.SGD, params, lr=0.05, compression=compression,
                                 bucket_cap_mb=SMALL_BUCKETS_MB, overlap=overlap)
-    sent = {b.index: torch.zeros(b.numel) for b in opt._buckets}
+    sent = {b.index: torch.zeros(b.numel) for b in opt._engine.buckets}
     counts = []
 
     def record(index, indices, values):
@@ -126,7 +126,7 @@ def error_feedback(rank: int, world_size: int, scheme: str, overlap: bool) -> Di
     residuals = whole_state_dict(opt)["residuals"]
     index = {id(p): i for i, p in enumerate(params)}
     worst = 0.0
-    for bucket in opt._buckets:
+    for bucket in opt._engine.buckets:
         offset = 0
         for p in bucket.params:
             i = index[id(p)]
@@ -381,7 +381,7 @@ def complex_parameters(rank: int, world_size: int) -> Dict[str, Any]:
             if name == "shard-flat":
                 out["flat_cut_inside_complex"] = any(
                     pc.stop - pc.start < b.params[pc.slot].numel()
-                    for b in opt._buckets for pc in b.shard.own if b.dtype.is_complex
+                    for b in opt._engine.buckets for pc in b.shard.own if b.dtype.is_complex
                 )
             out[f"{case}/{name}"] = train_complex(model, model, opt, rank)
             opt.close()
@@ -398,7 +398,7 @@ def complex_parameters(rank: int, world_size: int) -> Dict[str, Any]:
     opt.step()
     out["cast_reduced"] = [p.grad.clone() for p in model.parameters()]
     out["cast_bytes"] = opt.bytes_per_step()
-    out["cast_buckets"] = [(b.numel, len(b.params), b.dtype) for b in opt._buckets]
+    out["cast_buckets"] = [(b.numel, len(b.params), b.dtype) for b in opt._engine.buckets]
     opt.close()
 
     # RoundRobin(1): the complex momentum buffers are averaged with their parameters.
@@ -803,9 +803,9 @@ def round_robin(rank: int, world_size: int, k: int) -> Dict[str, Any]:
         loss_of(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
         opt.step()
         opt.zero_grad()
-        synced_equal.append([m for m in opt._partitions[step % k]])
+        synced_equal.append([m for m in opt._engine.partitions[step % k]])
     out: Dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()],
-                           "partitions": opt._partitions, "round": whole_state_dict(opt)["sync"]}
+                           "partitions": opt._engine.partitions, "round": whole_state_dict(opt)["sync"]}
     if rank == 0:
         sims = [make_model() for _ in range(world_size)]
         opts = [torch.optim.Adam(s.parameters(), lr=1e-2) for s in sims]
@@ -1149,7 +1149,7 @@ def misuse(rank: int, world_size: int) -> Dict[str, Any]:
         opt.step()
         opt.zero_grad()
     out["torch_clip"] = flat_params(model)
-    threads = list(opt._reducer._threads)
+    threads = list(opt._engine.reducer._threads)
     opt.close()
     out["threads_alive_after_close"] = [t.name for t in threads if t.is_alive()]
     out["threads_started"] = len(threads)

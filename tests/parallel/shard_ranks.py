@@ -85,7 +85,7 @@ def parity(rank: int, world_size: int, steps: int, overlaps: List[bool],
         total = ref.state_bytes()
         largest = max(
             sum(v.numel() * v.element_size() for v in e.values() if isinstance(v, torch.Tensor))
-            for e in ref._local.torch_state(copy=False).values()
+            for e in ref._engine.units.torch_state(copy=False).values()
         )
         ref.close()
         for shard in ("param", "flat"):
@@ -105,8 +105,8 @@ def parity(rank: int, world_size: int, steps: int, overlaps: List[bool],
                     "state_bytes": opt.state_bytes(),
                     "total": total,
                     "largest": largest,
-                    "buckets": len(opt._buckets),
-                    "cut_inside": any(pc.start > 0 for b in opt._buckets
+                    "buckets": len(opt._engine.buckets),
+                    "cut_inside": any(pc.start > 0 for b in opt._engine.buckets
                                       for part in b.shard.pieces for pc in part),
                 }
                 opt.close()
@@ -175,7 +175,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
         held[shard] = opt.state_bytes()
         if shard is None:
             largest = max(sum(v.numel() * v.element_size() for v in e.values())
-                          for e in opt._local.torch_state(copy=False).values())
+                          for e in opt._engine.units.torch_state(copy=False).values())
         opt.close()
     out["adafactor-bound"] = {
         "param": held["param"] <= math.ceil(held[None] / world_size) + largest, "flat": True,

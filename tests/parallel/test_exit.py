@@ -75,7 +75,7 @@ def _groups_released(rank: int, world_size: int) -> dict:
                                   if t.name.startswith("distopt") and t.is_alive()],
         "retired_after": len(_torch._RETIRED),
         "os_threads": (before, during, os_threads()),
-        "closed": (opt._closed, hooked.hook_state._closed),
+        "closed": (opt._engine.status.closed, hooked.hook_state.closed),
     }
     try:
         ddp(torch.randn(8, 16)).sum().backward()

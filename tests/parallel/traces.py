@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from distopt.parallel import DataParallelOptimizer
+from distopt.profiling import all_threads_config
 
 #: Layers of the profiled model: one bucket each (``BUCKET_MB``), so that backward has
 #: several layers left to compute when the last layer's bucket is sent.
@@ -81,7 +82,7 @@ def _profiled_steps(step: Any) -> List[Range]:
     the ranges kept."""
     for _ in range(WARMUP):
         step()
-    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    config = all_threads_config()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 experimental_config=config) as prof:
         for _ in range(STEPS):

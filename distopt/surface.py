@@ -4,14 +4,37 @@
 (``distopt.parallel``) each build their own ``state_dict`` and load their own: torch runs
 its state-dict hooks only inside ``torch.optim.Optimizer``'s methods, so each of them runs
 them here, in torch's order, around its own work. Their param groups are fixed with what
-they build at construction, so ``add_param_group`` is refused alike.
+they build at construction, so ``add_param_group`` is refused alike. The two data-parallel
+optimizers become torch.optim optimizers without running its constructor
+(``become_torch_optimizer``): they build the class the user named, over the same groups,
+and take its checked param groups and defaults.
 """
 from typing import Any, Callable, Dict, List
 
-from distopt import _torch
+import torch
 
-__all__ = ["state_dict_with_hooks", "load_state_dict_with_hooks", "refuse_add_param_group",
-           "indexed_groups"]
+from distopt import _torch
+from distopt.arguments import check_arguments
+
+__all__ = ["become_torch_optimizer", "state_dict_with_hooks", "load_state_dict_with_hooks",
+           "refuse_add_param_group", "indexed_groups"]
+
+
+def become_torch_optimizer(opt: torch.optim.Optimizer, optimizer_class: type,
+                           groups: List[Dict[str, Any]], args: Any,
+                           kwargs: Dict[str, Any]) -> torch.optim.Optimizer:
+    """Check the optimizer's arguments, build ``optimizer_class`` over ``groups``
+    (torch.optim's own checks and defaults) and make ``opt`` a torch.optim optimizer over
+    its param groups (``optimizer_class``, ``defaults``, ``param_groups``, ``state``, and
+    torch's hook dicts). Returns that optimizer, which an eager class steps."""
+    check_arguments(optimizer_class, args, kwargs, groups)
+    inner = optimizer_class([dict(g) for g in groups], *args, **kwargs)
+    opt.optimizer_class = optimizer_class
+    opt.defaults = inner.defaults
+    opt.param_groups = inner.param_groups
+    opt.state = inner.state
+    _torch.init_optimizer_internals(opt)
+    return inner
 
 
 def indexed_groups(param_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
