@@ -67,25 +67,10 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     except Exception as exc:
         raise lost_agreement(opt, f"save to {path!r}", exc) from exc
     generation = box[0]
-    per_rank = opt.sync is not None
-    sharded = opt.shard is not None
     written: Dict[str, int] = {}  # file name -> bytes written
     error = None
     try:
-        os.makedirs(path, exist_ok=True)
-        sd = _state.state_dict(opt, gather=False)
-        sd.pop("residuals_of", None)  # the residuals file's name says whose
-        residuals = sd.pop("residuals", None)
-        codec_state = sd.pop("compression", None)
-        if codec_state is not None:
-            residuals = {"residuals": residuals or {}, "compression": codec_state}
-        if per_rank or sharded or opt.rank == 0:
-            name = _file_name(generation, "shard" if sharded else "state", opt.rank)
-            written[name] = write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
-        if residuals is not None:
-            name = _file_name(generation, "residuals", opt.rank)
-            written[name] = write_atomic(os.path.join(path, name),
-                                         lambda f: torch.save(residuals, f))
+        _write_files(opt, path, generation, written)
     except Exception as exc:  # reported on every rank below
         error = exc
     # A failed collective leaves this generation's files (whether some rank went on to
@@ -96,6 +81,39 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
             f"Invalid save to {path!r}: rank {opt.rank} "
             f"{'failed: ' + repr(error) if error else 'succeeded but another rank failed'}"
         ) from error
+    manifest = _write_manifest(opt, path, generation, written)
+    # Each rank removes its own files of older generations (and rank 0 the shared state).
+    _manifest.prune(path, lambda name: name.endswith(f"-rank{opt.rank}.pt") and (
+        _manifest.generation_of(name, "dp") not in (None, generation)))
+    _agree(True, opt, "save to", path)  # every rank's old files are gone when save returns
+    logger.info("rank %d: saved generation %s to %s", opt.rank, generation, path)
+    return manifest
+
+
+def _write_files(opt: Any, path: str, generation: Any, written: Dict[str, int]) -> None:
+    """This rank's files of ``generation``: its state (or shard) and its residuals, each
+    recorded in ``written`` (name -> bytes) as it is in place."""
+    os.makedirs(path, exist_ok=True)
+    sharded = opt.shard is not None
+    sd = _state.state_dict(opt, gather=False)
+    sd.pop("residuals_of", None)  # the residuals file's name says whose
+    residuals = sd.pop("residuals", None)
+    compression_state = sd.pop("compression", None)
+    if compression_state is not None:
+        residuals = {"residuals": residuals or {}, "compression": compression_state}
+    if opt.sync is not None or sharded or opt.rank == 0:
+        name = _file_name(generation, "shard" if sharded else "state", opt.rank)
+        written[name] = write_atomic(os.path.join(path, name), lambda f: torch.save(sd, f))
+    if residuals is not None:
+        name = _file_name(generation, "residuals", opt.rank)
+        written[name] = write_atomic(os.path.join(path, name),
+                                     lambda f: torch.save(residuals, f))
+
+
+def _write_manifest(opt: Any, path: str, generation: Any,
+                    written: Dict[str, int]) -> Dict[str, Any]:
+    """Every rank's file records gathered, and the manifest written by the first rank;
+    RuntimeError on every rank (this generation's files removed) if it could not be."""
     try:
         records = [None] * dist.get_world_size(opt.process_group)
         dist.all_gather_object(
@@ -113,7 +131,7 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
         "generation": generation,
         "optimizer_class": opt.optimizer_class.__name__,
         "world_size": opt.world_size,
-        "state_per_rank": per_rank,
+        "state_per_rank": opt.sync is not None,
         "shard": opt.shard,
         "residuals": opt.reduction.error_feedback or opt.reduction.state_dict() is not None,
         "files": {name: record for part in records for name, record in part.items()},
@@ -127,11 +145,6 @@ def save(opt: Any, path: str) -> Dict[str, Any]:
     if not _agree(error is None, opt, "save to", path):
         _manifest.prune(path, lambda name: name in written)
         raise RuntimeError(f"Invalid save to {path!r}: the manifest was not written: {error!r}")
-    # Each rank removes its own files of older generations (and rank 0 the shared state).
-    _manifest.prune(path, lambda name: name.endswith(f"-rank{opt.rank}.pt") and (
-        _manifest.generation_of(name, "dp") not in (None, generation)))
-    _agree(True, opt, "save to", path)  # every rank's old files are gone when save returns
-    logger.info("rank %d: saved generation %s to %s", opt.rank, generation, path)
     return manifest
 
 

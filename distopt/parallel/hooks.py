@@ -22,7 +22,7 @@ completes the future DDP waits for at the end of backward; it issues no collecti
 import logging
 import queue
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -53,11 +53,27 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CompressionHookState", "OptimizerInBackward", "compression_hook", "optimizer_hook"]
 
-#: A job for the finishing thread: (codec, pending, bucket, future, after, (rank, world size,
-#: compression)).
-_Job = Tuple[
-    Compression, Any, Bucket, Any, Optional[Callable[[Bucket], None]], Tuple[int, int, Any]
-]
+class _Where(NamedTuple):
+    """Who reduces a bucket, for messages."""
+
+    rank: int
+    world_size: int
+    compression: Any
+
+    def describe(self, bucket: Bucket) -> str:
+        return (f"DDP communication hook on rank {self.rank} of {self.world_size}: the "
+                f"reduction of DDP bucket {bucket.index} ({bucket.numel} {bucket.dtype} "
+                f"gradient elements, compression={self.compression!r})")
+
+
+class _Job(NamedTuple):
+    """A reduction for the finishing thread."""
+
+    reduction: Compression  #: the scheme that issued it, bound to the hook's group
+    pending: Any  #: what completing it needs
+    bucket: Bucket
+    future: Any  #: completed with the averaged bucket, or failed
+    where: _Where
 
 
 class CompressionHookState:
@@ -69,10 +85,6 @@ class CompressionHookState:
     Args:
         compression: None, ``Cast(dtype)``, ``TopK(ratio)`` or ``Threshold(value)``.
         process_group: the group DDP averages over (None: the default group).
-        after_reduction: called on the finishing thread with each averaged bucket, before
-            DDP sees it (``OptimizerInBackward`` steps there).
-        before_first_bucket: called on the hook's thread when DDP hands over bucket 0 of a
-            backward pass, before any collective of that pass; may raise.
 
     Attributes:
         compression: the scheme as given.
@@ -93,8 +105,6 @@ class CompressionHookState:
         self,
         compression: Optional[Compression],
         process_group: Any = None,
-        after_reduction: Optional[Callable[[Bucket], None]] = None,
-        before_first_bucket: Optional[Callable[[], None]] = None,
     ) -> None:
         _arguments.check_compression(compression)
         group, rank, world_size = _arguments.group_info(process_group)
@@ -115,8 +125,6 @@ class CompressionHookState:
         self.world_size = world_size
         self.buckets: Dict[int, Bucket] = {}
         self.rebuilds = 0
-        self._after = after_reduction
-        self._before_first = before_first_bucket
         # id(parameter) -> (parameter, its flat residual: a view of its bucket's, or a tensor
         # loaded before the bucket was built).
         self._residuals: Dict[int, Tuple[Tensor, Tensor]] = {}
@@ -143,11 +151,16 @@ class CompressionHookState:
 
     # ------------------------------------------------------------ the hook's thread
 
-    def reduce(self, grad_bucket: Any) -> "torch.futures.Future[Tensor]":
+    def reduce(self, grad_bucket: Any,
+               then: Optional[Callable[[Bucket], None]] = None) -> "torch.futures.Future[Tensor]":
         """Start averaging one DDP bucket; what the hook returns to DDP.
 
         Args:
             grad_bucket: DDP's ``GradBucket``.
+            then: chained onto the returned future before the reduction can complete: called
+                on the finishing thread with the averaged bucket (distopt's copy of DDP's
+                bucket, whose ``grads`` are views of the averages), before DDP sees the
+                value; what it raises fails the future.
 
         Returns:
             A future whose value is the averaged gradients, laid out as
@@ -155,8 +168,7 @@ class CompressionHookState:
 
         Raises:
             ValueError: a sparse or integer gradient, a complex one the compression cannot
-                carry (TopK, Threshold, PowerSGD; named), or what ``before_first_bucket``
-                raised; RuntimeError: a collective could not be issued (naming this rank and
+                carry (TopK, Threshold, PowerSGD; named); RuntimeError: a collective could not be issued (naming this rank and
                 the bucket).
         """
         if self.closed:
@@ -166,8 +178,6 @@ class CompressionHookState:
                 f"cannot remove a hook)"
             )
         index = grad_bucket.index()
-        if index == 0 and self._before_first is not None:
-            self._before_first()
         ddp_buffer = grad_bucket.buffer()
         bucket = self._bucket(index, grad_bucket.parameters(), ddp_buffer)
         bucket.ddp_layout().copy_(ddp_buffer)
@@ -176,12 +186,12 @@ class CompressionHookState:
                            for p in bucket.params]
         bucket.fill_flags()
         bucket.last = grad_bucket.is_last()
-        who = (self.rank, self.world_size, self.compression)
+        where = _Where(self.rank, self.world_size, self.compression)
         try:
             with profiler_range("distopt.ddp.reduce", index):
                 pending = self.reduction.issue(bucket, self.comm_group, self.world_size)
         except RuntimeError as exc:
-            raise RuntimeError(f"{_where(who, bucket)} could not be issued: {exc}") from exc
+            raise RuntimeError(f"{where.describe(bucket)} could not be issued: {exc}") from exc
         finally:
             if grad_bucket.is_last():
                 self._used.clear()
@@ -189,10 +199,14 @@ class CompressionHookState:
         if not self._threads:
             self._threads.append(teardown.start_thread(_finish_in_order, (self._jobs,),
                                                        f"distopt-ddp-hook-{self.rank}"))
-        self._jobs.put((self.reduction, pending, bucket, future, self._after, who))
         # DDP reads the value in C++, where an exception set from Python is only a value;
         # raised in a callback, it marks the chained future failed, which DDP does raise.
-        return future.then(lambda done: done.wait())
+        # Chained before the job is queued: the callbacks run on the finishing thread.
+        result = future.then(lambda done: done.wait())
+        if then is not None:
+            result = result.then(lambda done: _then(done, then, bucket, where))
+        self._jobs.put(_Job(self.reduction, pending, bucket, future, where))
+        return result
 
     def _bucket(self, index: int, params: List[Tensor], ddp_buffer: Tensor) -> Bucket:
         """The adapted bucket for DDP's bucket ``index``, new if its parameters changed."""
@@ -301,28 +315,34 @@ def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
         job = jobs.get()
         if job is None:
             return
-        codec, pending, bucket, future, after, who = job
+        bucket = job.bucket
         try:
             with profiler_range("distopt.ddp.reduce.wait", bucket.index):
-                codec.finish(pending, bucket, who[1])
-            if after is not None:
-                after(bucket)
+                job.reduction.finish(job.pending, bucket, job.where.world_size)
         except BaseException as exc:  # noqa: B902 - handed to DDP, which raises it in backward
-            error = RuntimeError(f"{_where(who, bucket)} failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            logger.error("%s", error)
-            future.set_exception(error)
+            job.future.set_exception(_failed(job.where, bucket, exc))
             continue
         # A view at storage offset 0: DDP reads its parameters' gradients from the value
         # with as_strided at their offsets in the bucket.
-        future.set_result(bucket.ddp_layout())
+        job.future.set_result(bucket.ddp_layout())
 
 
-def _where(who: Tuple[int, int, Any], bucket: Bucket) -> str:
-    rank, world_size, compression = who
-    return (f"DDP communication hook on rank {rank} of {world_size}: the reduction of DDP "
-            f"bucket {bucket.index} ({bucket.numel} {bucket.dtype} gradient elements, "
-            f"compression={compression!r})")
+def _then(done: Any, then: Callable[[Bucket], None], bucket: Bucket, where: _Where) -> Tensor:
+    """A reduced bucket's value once ``then(bucket)`` has run on it (``reduce(then=...)``)."""
+    value = done.value()  # the reduction's own error, already named, if it failed
+    try:
+        then(bucket)
+    except BaseException as exc:  # noqa: B902 - DDP raises it in backward
+        raise _failed(where, bucket, exc) from exc
+    return value
+
+
+def _failed(where: _Where, bucket: Bucket, exc: BaseException) -> RuntimeError:
+    """The error DDP raises in backward when a bucket's reduction (or step) failed; logged."""
+    error = RuntimeError(f"{where.describe(bucket)} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    logger.error("%s", error)
+    return error
 
 
 def _reduce_bucket(state: CompressionHookState, bucket: dist.GradBucket
@@ -466,10 +486,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if isinstance(compression, Compression):  # every parameter DDP reduces goes through it
             compression.check_params(reduced)
         self.compression = compression
-        self.hook_state = CompressionHookState(
-            compression, ddp_model.process_group, after_reduction=self._step_bucket,
-            before_first_bucket=self._before_backward,
-        )
+        self.hook_state = CompressionHookState(compression, ddp_model.process_group)
 
         self._slot: Dict[int, Tuple[int, int]] = {
             id(p): (j, k)
@@ -492,7 +509,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._skips_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
         if self._skips_unused:
             self.hook_state.track_usage([p for ps in group_params for p in ps])
-        ddp_model.register_comm_hook(self.hook_state, _reduce_bucket)
+        ddp_model.register_comm_hook(self.hook_state, self._reduce_then_step())
         logger.info(
             "rank %d of %d: %s steps %d parameters in %d groups during DDP's backward, "
             "compression=%r", self.hook_state.rank, self.hook_state.world_size,
@@ -541,6 +558,21 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "before a step() without one)"
             )
         return loss
+
+    def _reduce_then_step(self) -> Callable[..., Any]:
+        """DDP's communication hook for this optimizer: the hook state's reduction of each
+        bucket with this optimizer's step of it chained onto the reduction's future (as
+        torch's ``_hook_then_optimizer`` composes a hook and an optimizer), so DDP sees the
+        bucket once it is stepped; the checks of a backward pass before its bucket 0."""
+
+        def reduce_then_step(state: CompressionHookState, bucket: dist.GradBucket
+                             ) -> torch.futures.Future[torch.Tensor]:
+            # (DDP checks that the hook's second argument is named ``bucket``.)
+            if bucket.index() == 0:
+                self._before_backward()  # may raise: then nothing of this pass is sent
+            return state.reduce(bucket, then=self._step_bucket)
+
+        return reduce_then_step
 
     def close(self) -> None:
         """Close the hook's state (``CompressionHookState.close``): its finishing thread
