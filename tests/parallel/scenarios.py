@@ -14,8 +14,8 @@ import torch.distributed as dist
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, Threshold, TopK
 from distopt.parallel import compression as compression_module
 from distopt.parallel.sync import partition
+from tests.helpers import identical
 from tests.parallel import traces
-from tests.same import identical
 from tests.parallel.ranks import (
     whole_state_dict,
     COMPLEX_CASES,

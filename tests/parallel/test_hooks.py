@@ -27,6 +27,7 @@ from distopt.parallel import (
     optimizer_hook,
 )
 from distopt.parallel import compression as compression_module
+from tests.helpers import assert_identical, assert_named_error, error_of
 from tests.parallel import traces
 from tests.parallel.cases import CASE_IDS, CASES
 from tests.parallel.ranks import (
@@ -44,7 +45,6 @@ from tests.parallel.ranks import (
     train_unused,
 )
 from tests.state_hooks import hooks_seen
-from tests.same import assert_identical
 
 STEPS = 4
 #: torch.optim's options that run the kernels the compiled step runs, where foreach=False
@@ -77,14 +77,6 @@ def _torch_kwargs(cls: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if "foreach" in inspect.signature(cls).parameters:
         return {**kwargs, "foreach": False}
     return kwargs
-
-
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: B902 - reported to the test
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 # ---------------------------------------------------------------- rank side
@@ -345,10 +337,10 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
                 torch.equal(again["state"][i][k], v)
                 for i, entry in sd["state"].items() for k, v in entry.items()
             ) and again["param_groups"] == sd["param_groups"]
-            runs[name]["bad_state"] = _error_of(lambda: opt.load_state_dict(
+            runs[name]["bad_state"] = error_of(lambda: opt.load_state_dict(
                 {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": sd["param_groups"]}))
             opt.param_groups[0]["amsgrad"] = True
-            runs[name]["amsgrad"] = _error_of(
+            runs[name]["amsgrad"] = error_of(
                 lambda: loss_of(ddp, *_batch(rank, world_size, 0)).backward())
         if name == "dpo":
             opt.close()
@@ -409,10 +401,10 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     out["complex"] = runs
     model = ComplexModel()
     ddp = _ddp(model)
-    out["complex_refused"] = _error_of(lambda: optimizer_hook(
+    out["complex_refused"] = error_of(lambda: optimizer_hook(
         ddp, torch.optim.SGD, model.parameters(), lr=0.1, compression=Threshold(0.1)))
     ddp.register_comm_hook(*compression_hook(TopK(0.5)))
-    out["complex_refused_in_backward"] = _error_of(lambda: train_complex(
+    out["complex_refused_in_backward"] = error_of(lambda: train_complex(
         model, ddp, torch.optim.SGD(model.parameters(), lr=0.1), rank, steps=1))
     dist.barrier()
 
@@ -444,7 +436,7 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         raise RuntimeError("injected step failure")
 
     opt._step_group = broken_step
-    out["step_failure"] = _error_of(lambda: loss_of(ddp, *_batch(rank, world_size, 0)).backward())
+    out["step_failure"] = error_of(lambda: loss_of(ddp, *_batch(rank, world_size, 0)).backward())
     dist.barrier()
 
     # Edits of param_groups the compiled steps cannot follow: refused at the next backward
@@ -459,14 +451,14 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         before = flat_params(model)
         edit(opt.param_groups)
         out["edits"][name] = {
-            "backward": _error_of(lambda: loss_of(ddp, *_batch(rank, world_size, 1)).backward()),
-            "step": _error_of(opt.step),
-            "state_dict": _error_of(opt.state_dict),
-            "load_state_dict": _error_of(lambda: opt.load_state_dict(sd)),
+            "backward": error_of(lambda: loss_of(ddp, *_batch(rank, world_size, 1)).backward()),
+            "step": error_of(opt.step),
+            "state_dict": error_of(opt.state_dict),
+            "load_state_dict": error_of(lambda: opt.load_state_dict(sd)),
             "unchanged": torch.equal(flat_params(model), before),
         }
     dist.barrier()
-    out["errors_duplicate"] = _error_of(lambda: optimizer_hook(
+    out["errors_duplicate"] = error_of(lambda: optimizer_hook(
         _ddp(make_model()), torch.optim.SGD, [{"params": [p]} for p in [*model[0].parameters(),
                                                                       model[0].weight]]))
 
@@ -480,10 +472,10 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     loss_of(ddp, *_batch(rank, world_size, 1)).backward()
     opt.step()
     before = flat_params(model)
-    out["second_step"] = _error_of(opt.step)
+    out["second_step"] = error_of(opt.step)
     out["second_step_unchanged"] = torch.equal(flat_params(model), before)
     opt.zero_grad()
-    out["step_after_zero_grad"] = _error_of(opt.step)
+    out["step_after_zero_grad"] = error_of(opt.step)
 
     # Errors, before any collective.
     model = make_model()
@@ -506,7 +498,7 @@ def optimizer_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         "optimizer_instance": lambda: optimizer_hook(
             ddp, torch.optim.SGD(model.parameters(), lr=0.1), model.parameters()),
     }
-    out["errors"] = {name: _error_of(fn) for name, fn in errors.items()}
+    out["errors"] = {name: error_of(fn) for name, fn in errors.items()}
     model = make_model(True)
     ddp = _ddp(model)
     opt = optimizer_hook(ddp, torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
@@ -779,10 +771,7 @@ EXPECTED_ERRORS = {
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
 def test_bad_arguments_are_named(stepped, case):
-    kind, words = EXPECTED_ERRORS[case]
-    message = stepped[0]["errors"][case]
-    assert message.startswith(kind + ":"), message
-    assert words in message, message
+    assert_named_error(stepped[0]["errors"][case], *EXPECTED_ERRORS[case])
 
 
 def test_optimizer_in_backward_runs_torch_s_state_dict_hooks(stepped):

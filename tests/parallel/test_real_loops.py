@@ -3,8 +3,8 @@ same gloo world (``real_loops``)."""
 import pytest
 import torch
 
+from tests.helpers import assert_identical
 from tests.parallel import real_loops
-from tests.same import assert_identical
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ eager run, holding about half the state at 2 ranks.
 import pytest
 import torch
 
+from tests.helpers import assert_identical
 from tests.parallel import shard_ranks
 from tests.parallel.cases import CASE_IDS
 
@@ -81,7 +82,7 @@ def test_checkpoints_saved_by_two_ranks_load_on_three(worlds, tmp_path):
     for shard in paths:
         files = saved[0][shard]["files"]
         assert len([f for f in files if "-shard-rank" in f]) == 2 and "manifest.json" in files
-        assert shard_ranks._state_equal(saved[0][shard]["saved"], saved[1][shard]["saved"])
+        assert_identical(saved[0][shard]["saved"]["state"], saved[1][shard]["saved"]["state"])
     resumed = worlds.run(shard_ranks.resume, 3, paths, saved[0])
     for source in paths:
         for r in range(3):
