@@ -18,7 +18,7 @@ from distopt.parallel import DataParallelOptimizer, PowerSGD, TopK
 from distopt.parallel import shard as shard_module
 from tests.helpers import error_of, identical
 from tests.parallel.arrival_scenarios import Reversed
-from tests.parallel.ranks import eager_class, whole_state_dict
+from tests.parallel.training import eager_class, whole_state_dict
 
 WIDTH = 8
 LAYERS = 4

@@ -12,8 +12,9 @@ import torch
 
 from distopt.parallel import DataParallelOptimizer
 from tests.helpers import assert_identical, assert_named_error, identical, max_close
-from tests.parallel import ddp_buffers_join, scaler_scenarios, scenarios, traces
-from tests.parallel.ranks import ComplexModel, flat_params
+from tests.parallel import buffer_join_scenarios, scaler_scenarios, trace_scenarios
+from tests.parallel import feature_scenarios as scenarios
+from tests.parallel.training import ComplexModel, flat_params
 from tests.worlds import CONTEXT, run_world
 
 
@@ -271,7 +272,7 @@ def test_grad_scaler_refusals(ddp_semantics):
 # ---------------------------------------------------------------- buffers (module=)
 
 
-@pytest.mark.parametrize("run", sorted(ddp_buffers_join.BUFFER_RUNS))
+@pytest.mark.parametrize("run", sorted(buffer_join_scenarios.BUFFER_RUNS))
 def test_buffers_are_broadcast_as_ddp_broadcasts_them(ddp_semantics, run):
     """DataParallelOptimizer(module=model): BatchNorm's running statistics (and step count)
     after every step, and the parameters at the end, are DDP's on every rank, bit for bit:
@@ -283,7 +284,7 @@ def test_buffers_are_broadcast_as_ddp_broadcasts_them(ddp_semantics, run):
     backward_passes_per_step=2 and no_sync (against DDP's no_sync), a no_grad forward
     between steps, and broadcast_buffers=False.
     """
-    reference = ddp_buffers_join.BUFFER_RUNS[run][2]
+    reference = buffer_join_scenarios.BUFFER_RUNS[run][2]
     for r in ddp_semantics:
         got, ddp = r["buffers"][run], r["buffers"][reference]
         assert_identical(got["buffers"], ddp["buffers"], run)
@@ -314,7 +315,7 @@ def test_buffer_broadcast_is_unseen_by_autograd(ddp_semantics):
 # ---------------------------------------------------------------- uneven inputs (Join)
 
 
-@pytest.mark.parametrize("run", sorted(ddp_buffers_join.JOIN_RUNS))
+@pytest.mark.parametrize("run", sorted(buffer_join_scenarios.JOIN_RUNS))
 def test_join_ends_as_ddp_under_join(ddp_semantics, run):
     """Ranks with 6 and 4 batches under Join([opt]): every rank ends with the parameters
     (and buffers) of DDP + torch.optim under Join([ddp]) and the optimizer state of its
@@ -327,7 +328,7 @@ def test_join_ends_as_ddp_under_join(ddp_semantics, run):
     an overflowing step; sharded with unscale_ and clipping), and module= on the CNN. Each
     Join block took 0.03 to 0.12 s (0.9 s for the first one under autocast).
     """
-    reference = ddp_buffers_join.JOIN_RUNS[run][2]
+    reference = buffer_join_scenarios.JOIN_RUNS[run][2]
     ddp = ddp_semantics[0]["join"][reference]
     for r in ddp_semantics:
         got = r["join"][run]
@@ -532,20 +533,20 @@ def _main_thread(ranges):
     return main
 
 
-@pytest.mark.parametrize("config", sorted(traces.CONFIGS))
+@pytest.mark.parametrize("config", sorted(trace_scenarios.CONFIGS))
 def test_a_profiler_trace_names_each_buckets_reduction_step_and_gather(integrated, config):
-    sharded = "shard" in traces.CONFIGS[config]
+    sharded = "shard" in trace_scenarios.CONFIGS[config]
     for result in integrated:
         run = result["traces"][config]
-        assert run["buckets"] == traces.LAYERS  # one bucket per layer
+        assert run["buckets"] == trace_scenarios.LAYERS  # one bucket per layer
         names = [name for name, _, _, _ in run["ranges"]]
         per_bucket = ["distopt.dp.reduce", "distopt.dp.reduce.wait", "distopt.dp.step"]
         gathers = ["distopt.dp.gather", "distopt.dp.gather.wait"]
         for k in range(run["buckets"]):
             for what in per_bucket + gathers:
-                wanted = traces.STEPS if what in per_bucket or sharded else 0
+                wanted = trace_scenarios.STEPS if what in per_bucket or sharded else 0
                 assert names.count(f"{what}[bucket {k}]") == wanted, (config, what, k)
-        assert names.count("distopt.DataParallelOptimizer.step") == traces.STEPS
+        assert names.count("distopt.DataParallelOptimizer.step") == trace_scenarios.STEPS
 
 
 def test_a_profiler_trace_shows_the_work_on_distopts_threads(integrated):
@@ -556,11 +557,11 @@ def test_a_profiler_trace_shows_the_work_on_distopts_threads(integrated):
             (comm,) = _threads_of(ranges, "distopt.dp.reduce[bucket 0]")
             (finish,) = _threads_of(ranges, "distopt.dp.reduce.wait[bucket 0]")
             assert len({main, comm, finish}) == 3, config
-            overlap = traces.CONFIGS[config]["overlap"]
+            overlap = trace_scenarios.CONFIGS[config]["overlap"]
             # Stepped on the finishing thread during backward, else in step().
             assert _threads_of(ranges, "distopt.dp.step[bucket 0]") == {
                 finish if overlap else main}, config
-            if "shard" in traces.CONFIGS[config]:
+            if "shard" in trace_scenarios.CONFIGS[config]:
                 assert _threads_of(ranges, "distopt.dp.gather[bucket 0]") == {
                     comm if overlap else main}, config
                 assert _threads_of(ranges, "distopt.dp.gather.wait[bucket 0]") == {
@@ -577,7 +578,7 @@ def test_a_profiler_trace_shows_reductions_overlapping_backward(integrated):
         ranges = result["traces"]["overlap"]["ranges"]
         main = _main_thread(ranges)
         passes = [(s, e) for n, _, s, e in ranges if n == "test.backward"]
-        assert len(passes) == traces.STEPS
+        assert len(passes) == trace_scenarios.STEPS
         overlapped = []
         for start, end in passes:
             # The autograd engine's last computation of this pass on the main thread.
@@ -586,7 +587,7 @@ def test_a_profiler_trace_shows_reductions_overlapping_backward(integrated):
                            and t == main and start <= s <= end)
             reductions = [s for n, _, s, _ in ranges
                           if n.startswith("distopt.dp.reduce[") and start <= s <= end]
-            assert len(reductions) == traces.LAYERS
+            assert len(reductions) == trace_scenarios.LAYERS
             overlapped.append((min(reductions) - start, computed - start))
         # In some pass (two cores shared with the other rank: a thread may wait its turn),
         # the first reduction was issued while backward still had layers to compute.

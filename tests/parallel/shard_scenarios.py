@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, TopK
 from tests.helpers import identical
+from tests.parallel import training
 from tests.parallel.cases import CASES
-from tests.parallel import ranks
-from tests.parallel.ranks import eager_class, flat_params, whole_state_dict
+from tests.parallel.training import eager_class, flat_params, whole_state_dict
 
 #: Buckets of at most 1,200 float32 elements: the model below has four, one holding
 #: several parameters, and the "flat" cuts fall inside parameters of 1,961 and 1,537.
@@ -25,7 +25,7 @@ SHAPED = ("Adafactor", "Muon")
 
 
 def make_model(biases: bool = True, seed: int = 0) -> torch.nn.Module:
-    return ranks.make_model(biases, seed, sizes=(37, 53, 29, 1))
+    return training.make_model(biases, seed, sizes=(37, 53, 29, 1))
 
 
 def batch(rank: int, world_size: int, step: int, n: int = 8):

@@ -1,6 +1,6 @@
 """Rank-side scenarios for the feature tests (bytes, compression, accumulation, failures,
 state, clipping, RoundRobin, checkpoints, subgroups). Each returns plain data; see
-``tests.parallel.ranks`` for the shared model and data."""
+``tests.parallel.training`` for the shared model and data."""
 import contextlib
 import json
 import os
@@ -15,8 +15,8 @@ from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, 
 from distopt.parallel import compression as compression_module
 from distopt.parallel.sync import partition
 from tests.helpers import identical
-from tests.parallel import traces
-from tests.parallel.ranks import (
+from tests.parallel import trace_scenarios
+from tests.parallel.training import (
     whole_state_dict,
     COMPLEX_CASES,
     SMALL_BUCKETS_MB,
@@ -337,16 +337,16 @@ def ddp_semantics(rank: int, world_size: int) -> Dict[str, Any]:
     """What DDP + torch.optim does, in one world: parameters some or no rank used, the zero
     gradients of unused layers, complex parameters, the GradScaler recipe, buffers, uneven
     inputs under Join (and, last, as it breaks a group of its own, uneven inputs without)."""
-    from tests.parallel import ddp_buffers_join
+    from tests.parallel import buffer_join_scenarios
     from tests.parallel.scaler_scenarios import grad_scaler
 
     return {"unused": unused_parameters(rank, world_size),
             "zero_grads": zero_grads_of_unused(rank, world_size),
             "complex": complex_parameters(rank, world_size),
             "grad_scaler": grad_scaler(rank, world_size),
-            "buffers": ddp_buffers_join.buffers_like_ddp(rank, world_size),
-            "join": ddp_buffers_join.join_like_ddp(rank, world_size),
-            "uneven": ddp_buffers_join.uneven_without_join(rank, world_size)}
+            "buffers": buffer_join_scenarios.buffers_like_ddp(rank, world_size),
+            "join": buffer_join_scenarios.join_like_ddp(rank, world_size),
+            "uneven": buffer_join_scenarios.uneven_without_join(rank, world_size)}
 
 
 # ---------------------------------------------------------------- complex parameters
@@ -737,8 +737,8 @@ def integration(rank: int, world_size: int) -> Dict[str, Any]:
         loss_of(model, xs, ys).backward()
     except ValueError as exc:
         out["fixed_key"] = str(exc)
-    # 3. What a user's torch.profiler trace shows of the steps (tests.parallel.traces).
-    out["traces"] = traces.profiled(rank, world_size)
+    # 3. What a user's torch.profiler trace shows of the steps (tests.parallel.trace_scenarios).
+    out["traces"] = trace_scenarios.profiled(rank, world_size)
     return out
 
 
