@@ -26,10 +26,10 @@ from tests.cuda.conftest import CUDA, DEVICE, gpu_only
 from tests.functional.case import Case
 from tests.functional.cases import ALL_CASES
 from tests.functional.test_grad_scaling import CASES as SCALED_CASES, check_against_torch
+from tests.helpers import ATOL, RTOL, assert_all_close
 
 pytestmark = CUDA
 
-RTOL, ATOL = 1e-5, 1e-6
 SCHEDULE_STEP = 6
 
 
@@ -64,11 +64,6 @@ def _step_torch(opt: torch.optim.Optimizer, params, grads) -> None:
     for p, g in zip(params, grads):
         p.grad = g
     opt.step()
-
-
-def _close(actual, expected, what: str) -> None:
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=ATOL, msg=f"{what}[{i}]")
 
 
 def _refusal(make: Any) -> Optional[Exception]:
@@ -139,7 +134,7 @@ def test_matches_torch_optim_on_the_device(case: Case, compiled: bool) -> None:
         grads = _on(case.make_gradients(step))
         _step_torch(ref_opt, ref, [None if g is None else g.clone() for g in grads])
         opt.step([None if g is None else g.clone() for g in grads])
-        _close(mine, ref, f"params after step {step}")
+        assert_all_close(mine, ref, f"params after step {step}")
     ours = to_torch_state_dict(opt, case.torch_cls)
     theirs = ref_opt.state_dict()
     assert sorted(ours["state"]) == sorted(theirs["state"])
@@ -174,8 +169,8 @@ def test_state_dict_both_ways_on_the_device(case: Case) -> None:
         opt.step([None if g is None else g.clone() for g in grads])
         _step_torch(torch_opt, b, [None if g is None else g.clone() for g in grads])
         back.step([None if g is None else g.clone() for g in grads])
-    _close(b, a, "torch.optim after loading functional state")
-    _close(c, a, "compiled functional after loading torch.optim state")
+    assert_all_close(b, a, "torch.optim after loading functional state")
+    assert_all_close(c, a, "compiled functional after loading torch.optim state")
 
 
 # ---------------------------------------------------------------- where step lives
@@ -237,7 +232,7 @@ def test_cpu_and_cuda_parameters_in_one_optimizer() -> None:
         grads = [torch.randn(5, 3, generator=gen).to(d) for d in devices]
         _step_torch(ref_opt, ref, [g.clone() for g in grads])
         opt.step([g.clone() for g in grads])
-    _close(mine, ref, "mixed-device params")
+    assert_all_close(mine, ref, "mixed-device params")
     assert [p.device.type for p in mine] == devices
 
 
@@ -256,7 +251,7 @@ def test_flat_buffers_are_per_device() -> None:
         grads = [torch.randn(6, generator=gen).to(d) for d in devices]
         _step_torch(ref_opt, ref, [g.clone() for g in grads])
         opt.step([g.clone() for g in grads])
-    _close(mine, ref, "flat params on two devices")
+    assert_all_close(mine, ref, "flat params on two devices")
 
 
 # ---------------------------------------------------------------- CUDA graphs and syncs
@@ -315,7 +310,7 @@ def test_capturable_step_replays_in_a_cuda_graph(torch_cls, kwargs) -> None:
         graph.replay()
         _step_torch(ref_opt, ref, [g.clone() for g in grads])
     torch.cuda.synchronize()
-    _close(mine, ref, f"{torch_cls.__name__} after graph replays")
+    assert_all_close(mine, ref, f"{torch_cls.__name__} after graph replays")
 
 
 SYNC_FREE = CAPTURABLE + [

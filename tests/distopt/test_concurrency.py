@@ -4,7 +4,7 @@ Values are exact: SGD with lr=1 on a parameter of ones, whose gradient is ones, 
 ``1 - (number of steps)`` in every element.
 """
 import threading
-from typing import Any, Callable, List
+from typing import List
 
 import pytest
 import torch
@@ -12,28 +12,10 @@ import torch.distributed.rpc as rpc
 
 from distopt import DistributedOptimizer
 from tests.distopt import remote
+from tests.helpers import run_in_threads
 
 STEPS = 20
 SHAPE = (1024, 1024)
-
-
-def run_in_threads(targets: List[Callable[[], Any]]) -> None:
-    """Run each target in its own thread; re-raise the first error once all are done."""
-    errors: List[BaseException] = []
-
-    def guarded(target: Callable[[], Any]) -> None:
-        try:
-            target()
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 @pytest.mark.parametrize(

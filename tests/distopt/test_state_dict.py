@@ -1,23 +1,26 @@
 """state_dict / load_state_dict in torch.optim's format, both ways; refusals change nothing."""
 import copy
-from typing import Any, Dict, List
+import re
+from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed.rpc as rpc
 
-from distopt import DistributedOptimizer, state
+from distopt import DistributedOptimizer, InvalidStateError, state
 from functional import functional_optim_map
 from tests.distopt import harness
+from tests.helpers import assert_identical
+from tests.refused_state_dicts import OPTIMIZERS, REFUSED, bad_state_dict
 from tests.state_hooks import hooks_seen
 
 # (class, defaults, options of group 0, options of group 1)
 CASES = [
-    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}, {}, {"lr": 0.02, "weight_decay": 0.1}),
+    OPTIMIZERS["Adam"],
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, {"nesterov": True}, {"lr": 0.05}),
     (torch.optim.Adagrad, {"lr": 0.1}, {}, {"lr_decay": 0.01}),
     (torch.optim.ASGD, {"lr": 0.05, "t0": 2.0}, {}, {"lambd": 1e-3}),
-    (torch.optim.Adafactor, {"lr": 0.01}, {}, {"lr": 0.02}),
+    OPTIMIZERS["Adafactor"],
 ]
 IDS = [c[0].__name__ for c in CASES]
 PATHS = [(c, True) for c in CASES] + [(CASES[0], False), (CASES[1], False)]
@@ -79,58 +82,41 @@ def test_hyperparameters_come_back_from_the_state_dict(world):
     harness.assert_params_equal(rrefs, local)
 
 
-def mutate(sd: Dict[str, Any], how: str) -> Dict[str, Any]:
-    sd = copy.deepcopy(sd)
-    if how == "groups":
-        sd["param_groups"] = sd["param_groups"][:1]
-    elif how == "count":
-        sd["param_groups"][1]["params"] = sd["param_groups"][1]["params"][:1]
-    elif how == "shape":
-        first = min(sd["state"])
-        sd["state"][first]["exp_avg"] = torch.zeros(7, 7)
-    elif how == "fixed":
-        sd["param_groups"][0]["amsgrad"] = False
-    elif how == "unknown-id":
-        sd["state"][99] = sd["state"][min(sd["state"])]
-    elif how == "keys":
-        del sd["state"]
-    elif how == "kind":
-        sd["param_groups"][1]["betas"] = 0.9
-    return sd
+#: The rows only an owner's optimizer can check (keys, dtypes, 0-dim and factored shapes):
+#: parameter 3 lives on worker2, the second owner; worker1 checks fine and must not have
+#: changed either.
+OWNER_ROWS = ("missing-state-key", "int-buffer", "vector-step", "factored-shape")
 
 
-@pytest.mark.parametrize(
-    "how, match",
-    [
-        ("class", r"param_groups\[0\] lacks \['betas', 'eps'\], so it is not a Adam"),
-        ("groups", r"1 param groups \(expected 2\)"),
-        ("count", r"param_groups\[1\] holds 1 parameters \(expected 2\)"),
-        ("shape", r"state\[\d\]\['exp_avg'\] has shape \(7, 7\) \(expected \(\d, \d\)"),
-        ("fixed", r"param_groups\[0\]\['amsgrad'\] is False \(expected True: the compiled Adam"),
-        ("unknown-id", r"state for parameter 99"),
-        ("keys", r"keys \['param_groups'\]"),
-        ("kind", r"Invalid state_dict: param_groups\[1\]: betas: 0\.9 \(expected a tuple of 2"),
-    ],
-)
-def test_mismatch_raises_before_any_owner_changes(world, monkeypatch, how, match):
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_state_dict_changes_nothing(world, monkeypatch, name):
+    """Each state_dict of the shared table (tests/refused_state_dicts.py) is refused with a
+    ValueError naming what is wrong: on the trainer before any RPC, or (``OWNER_ROWS``) on
+    every owner before any owner changes, as one InvalidStateError naming the worker and the
+    parameter by the trainer's index. State, hyper-parameters and later steps are as if
+    nothing had been offered."""
+    row = REFUSED[name]
     rrefs, local = harness.make_params()
-    dist_opt, ref = build(CASES[0], rrefs, local)
+    dist_opt, ref = build(OPTIMIZERS[row.optimizer], rrefs, local)
     harness.train(dist_opt, ref, rrefs, local, 2)
     before = dist_opt.state_dict()
-    if how == "class":
-        sgd = torch.optim.SGD(harness.grouped(local, [{}, {}]), lr=0.1, momentum=0.9)
-        sgd.step()
-        bad = sgd.state_dict()
-    else:
-        bad = mutate(before, how)
+    bad = bad_state_dict(before, name)
     calls: List[Any] = []
     real = rpc.rpc_async
     monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: calls.append(a) or real(*a, **k))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError) as info:
         dist_opt.load_state_dict(bad)
-    assert calls == []
     monkeypatch.undo()
-    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
+    if name in OWNER_ROWS:
+        assert isinstance(info.value, InvalidStateError)
+        assert list(info.value.failures) == ["worker2"]
+        assert re.search(r"worker2: ValueError: " + row.pattern, str(info.value)), info.value
+    else:
+        assert re.search(row.pattern, str(info.value)), info.value
+        assert calls == []
+    assert_identical(dist_opt.state_dict(), before)
+    harness.train(dist_opt, ref, rrefs, local, 2, first_step=2)
+    harness.assert_params_equal(rrefs, local, "after a refused load_state_dict")
 
 
 @pytest.mark.parametrize("saved", [{"foreach": True}, {"foreach": False}], ids=["foreach", "loop"])
@@ -181,63 +167,9 @@ def test_state_dict_takes_one_rpc_per_owner(world, monkeypatch):
     assert sorted(to.name for to, _ in calls) == ["worker1", "worker2"]
 
 
-def _drop_key(sd, i):
-    del sd["state"][i]["exp_avg_sq"]
-    return r"Invalid state\[{i}\]: no 'exp_avg_sq'"
-
-
-def _int_buffer(sd, i):
-    sd["state"][i]["exp_avg"] = sd["state"][i]["exp_avg"].to(torch.int64)
-    return r"Invalid state\[{i}\]\['exp_avg'\]: dtype torch.int64 \(expected torch.float32"
-
-
-def _vector_step(sd, i):
-    sd["state"][i]["step"] = torch.tensor([2.0])
-    return r"Invalid state\[{i}\]\['step'\]: shape \[1\] \(expected \[\]"
-
-
-def _factored_shape(sd, i):
-    sd["state"][i]["row_var"] = torch.zeros(9, 1)
-    return r"Invalid state\[{i}\]\['row_var'\]: shape \[9, 1\] \(expected \[\d, 1\]"
-
-
-@pytest.mark.parametrize(
-    "case, corrupt",
-    [(CASES[0], _drop_key), (CASES[0], _int_buffer), (CASES[0], _vector_step),
-     (CASES[4], _factored_shape)],
-    ids=["missing-key", "int-buffer", "vector-step", "adafactor-row_var"],
-)
-def test_owners_refuse_a_bad_state_before_any_changes(world, case, corrupt):
-    """What only the owner's optimizer can check (keys, dtypes, 0-dim and factored shapes) is
-    checked on every owner before any owner changes: one InvalidStateError (a ValueError)
-    naming the worker and the parameter by the trainer's index; state, hyper-parameters and
-    later steps as if nothing had been offered."""
-    from distopt import InvalidStateError
-
-    rrefs, local = harness.make_params()
-    dist_opt, ref = build(case, rrefs, local)
-    harness.train(dist_opt, ref, rrefs, local, 2)
-    before = dist_opt.state_dict()
-    bad = copy.deepcopy(before)
-    bad["param_groups"][0]["lr"] = 0.5
-    # Global index 3 lives on worker2, the second owner: worker1 checks fine and must not
-    # have changed either.
-    pattern = corrupt(bad, 3).replace("{i}", "3")
-    with pytest.raises(InvalidStateError, match=r"worker2: ValueError: " + pattern) as info:
-        dist_opt.load_state_dict(bad)
-    assert isinstance(info.value, ValueError)
-    assert list(info.value.failures) == ["worker2"]
-    harness.assert_state_dicts_equal(dist_opt.state_dict(), before)
-    assert dist_opt.param_groups[0]["lr"] == before["param_groups"][0]["lr"]
-    harness.train(dist_opt, ref, rrefs, local, 2, first_step=2)
-    harness.assert_params_equal(rrefs, local, "after a refused load_state_dict")
-
-
 def test_eager_owner_refuses_a_state_lacking_a_key(world, monkeypatch):
     """The eager path has no template; its own state is the model: a state_dict lacking a key
     it keeps is refused on the owner before any owner changes."""
-    from distopt import InvalidStateError
-
     case = CASES[0]
     monkeypatch.delitem(functional_optim_map, case[0])
     rrefs, local = harness.make_params()

@@ -14,11 +14,11 @@ from functional import (
     functional_optim_map,
     script_optimizer,
 )
+from tests.helpers import ATOL, RTOL
 
 from .case import Case
 from .test_parity import check_matches_torch_optim, check_state_dict_round_trip
 
-RTOL, ATOL = 1e-5, 1e-6
 
 #: Per class, the options that touch the most code (torch.optim steps each of them on the
 #: complex parameter's ``view_as_real``); each runs on both complex dtypes and on foreach.

@@ -7,6 +7,7 @@ import torch
 
 from functional import FLAT_CLASSES, flatten_parameters, functional_optim_map, script_optimizer
 from functional._validation import TORCH_DUPLICATE_WARNING
+from tests.helpers import assert_identical
 
 O = torch.optim
 # (torch.optim class, arguments torch.optim rejects with ValueError, the name ours must give)
@@ -290,15 +291,6 @@ def _snapshot(optim, compiled: bool):
     return {i: {k: v.clone() for k, v in entry.items()} for i, entry in state.items()}
 
 
-def _same_state(a, b) -> bool:
-    return sorted(a) == sorted(b) and all(
-        sorted(a[i]) == sorted(b[i])
-        and all(a[i][k].layout == b[i][k].layout and torch.equal(a[i][k].to_dense(), b[i][k].to_dense())
-                for k in a[i])
-        for i in a
-    )
-
-
 def _built(torch_cls: type, params, compiled: bool, flat: bool):
     """The functional twin of ``torch_cls`` over ``params``, flattened where it can be and
     ``flat`` asks, compiled where ``compiled`` does."""
@@ -323,7 +315,7 @@ def test_a_sparse_compressed_gradient_is_refused_by_its_layout(torch_cls, compil
     with pytest.raises(error, match=r"gradients\[0\]: layout torch.sparse_csr \(expected torch.strided"):
         optim.step([torch.randn(3, 3).to_sparse_csr(), other])
     assert all(torch.equal(p, b) for p, b in zip(params, before))
-    assert _same_state(_snapshot(optim, compiled), state)
+    assert_identical(_snapshot(optim, compiled), state)
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["per-parameter", "flat"])
@@ -344,7 +336,7 @@ def test_a_gradient_on_another_device_is_refused(torch_cls, compiled, flat) -> N
     with pytest.raises(error, match=r"gradients\[1\]: device meta \(expected cpu"):
         optim.step(grads)
     assert all(torch.equal(p, b) for p, b in zip(params, before)), "a refused step changed a parameter"
-    assert _same_state(_snapshot(optim, compiled), state), "a refused step changed the state"
+    assert_identical(_snapshot(optim, compiled), state, "a refused step changed the state")
 
 
 def _sgd_mix(kwargs, first_sparse: bool):
@@ -400,7 +392,7 @@ def test_sgd_sparse_mixes_torch_fails_on_change_nothing(row, compiled: bool, fla
     with pytest.raises(error, match=r"add\(sparse, dense\) is not supported.*gradients\[1\]: " + what):
         optim.step([g.clone() for g in second])
     assert all(torch.equal(p, b) for p, b in zip(params, before)), "a refused step changed a parameter"
-    assert _same_state(_snapshot(optim, compiled), state), "a refused step changed the state"
+    assert_identical(_snapshot(optim, compiled), state, "a refused step changed the state")
 
 
 @pytest.mark.parametrize("torch_cls", list(functional_optim_map), ids=lambda c: c.__name__)

@@ -18,11 +18,11 @@ from functional import (
     script_optimizer,
     to_torch_state_dict,
 )
+from tests.helpers import ATOL, RTOL
 
 from .case import Case
 from .cases import ALL_CASES
 
-RTOL, ATOL = 1e-5, 1e-6
 FLAT_CASES = [c for c in ALL_CASES if not c.sparse and c.functional_cls.__name__ in FLAT_CLASSES]
 #: Steps 0-3 give every gradient (the flat step), step 4 leaves parameter 1 out (its step
 #: count falls behind: per parameter from then on), the rest give every gradient again.

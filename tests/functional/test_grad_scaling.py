@@ -17,7 +17,7 @@ import torch
 from distopt.local_optimizer import CompiledLocalOptimizer
 from functional import functional_optim_map, to_torch_state_dict
 from functional._kernels import unscale_gradients
-from tests.same import assert_identical
+from tests.helpers import assert_identical
 
 STEPS = 6
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from functional import load_torch_state_dict, script_optimizer, to_torch_state_dict
+from tests.helpers import ATOL, RTOL
 
 from .case import Case
 from .cases import ALL_CASES
 from .layouts import GRAD_LAYOUTS, gradient_in, in_own_layout, layout_for, outside_intact, place
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 8
 CHANNELS_LAST_SHAPE = (2, 3, 2, 3)
 

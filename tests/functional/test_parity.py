@@ -7,11 +7,11 @@ import torch
 from functional import (
     FunctionalAdam, ScriptedOptimizer, load_torch_state_dict, script_optimizer, to_torch_state_dict,
 )
+from tests.helpers import ATOL, RTOL, assert_all_close
 
 from .case import Case
 from .cases import ALL_CASES
 
-RTOL, ATOL = 1e-5, 1e-6
 SCHEDULE_STEP = 6
 
 
@@ -54,11 +54,6 @@ def _make(case: Case, params, compiled: bool) -> Any:
     return script_optimizer(optim) if compiled else optim
 
 
-def _assert_close(actual, expected, what: str) -> None:
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=ATOL, msg=f"{what}[{i}]")
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
 def test_matches_torch_optim(case: Case, compiled: bool) -> None:
@@ -87,7 +82,7 @@ def check_matches_torch_optim(case: Case, compiled: bool) -> Any:
         grads = case.make_gradients(step)
         _torch_step(ref_opt, ref, _clone(grads))
         opt.step(_clone(grads))
-        _assert_close(mine, ref, f"params after step {step}")
+        assert_all_close(mine, ref, f"params after step {step}")
     ours = to_torch_state_dict(opt, case.torch_cls)
     theirs = ref_opt.state_dict()
     assert sorted(ours["state"]) == sorted(theirs["state"])
@@ -121,8 +116,8 @@ def check_state_dict_round_trip(case: Case) -> None:
         opt.step(_clone(grads))
         _torch_step(torch_opt, b, _clone(grads))
         back.step(_clone(grads))
-    _assert_close(b, a, "torch.optim after loading functional state")
-    _assert_close(c, a, "compiled functional after loading torch.optim state")
+    assert_all_close(b, a, "torch.optim after loading functional state")
+    assert_all_close(c, a, "compiled functional after loading torch.optim state")
 
 
 def test_state_dict_of_an_uncompiled_scripted_optimizer() -> None:

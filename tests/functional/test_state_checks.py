@@ -21,6 +21,7 @@ from functional import (
     script_optimizer,
     to_torch_state_dict,
 )
+from tests.helpers import assert_identical
 
 from .case import Case
 from .cases import ALL_CASES
@@ -140,14 +141,6 @@ def _snapshot(state):
     return {i: {k: v.clone() for k, v in e.items()} for i, e in state.items()}
 
 
-def _assert_same(a, b) -> None:
-    assert sorted(a) == sorted(b)
-    for i in a:
-        assert sorted(a[i]) == sorted(b[i])
-        for k in a[i]:
-            torch.testing.assert_close(a[i][k], b[i][k], rtol=0, atol=0)
-
-
 def _raises(compiled: bool, pattern: str):
     # A compiled method re-raises the ValueError as torch.jit.Error ("builtins.ValueError: ").
     if compiled:
@@ -174,7 +167,7 @@ def test_set_state_refuses_and_changes_nothing(case: Case, how: str, compiled: b
     pattern = CORRUPTIONS[how](bad[last], params[last]).replace(r"\d+", str(last), 1)
     with _raises(compiled, pattern):
         opt.set_state(bad)
-    _assert_same(_state(opt, compiled), before)
+    assert_identical(_state(opt, compiled), before)
     # It steps on exactly as an optimizer that was never offered the bad state.
     for step in range(3, 5):
         grads = _full_grads(case, step)
@@ -204,7 +197,7 @@ def test_load_torch_state_dict_refuses_before_anything_changes(case, how, compil
     # The message names the parameter and the key (its wording depends on which check saw it).
     with pytest.raises(ValueError, match=rf"state\[{last}\]\[?.*'{key}'"):
         load_torch_state_dict(opt, case.torch_cls, sd)
-    _assert_same(_state(opt, compiled), before)
+    assert_identical(_state(opt, compiled), before)
     assert to_torch_state_dict(opt, case.torch_cls)["param_groups"][0]["lr"] == lr_before
 
 
@@ -257,7 +250,7 @@ def test_sparse_momentum_is_kept_and_its_indices_checked(compiled: bool) -> None
                rf"in dimension 0 \(expected 0\.\.{case.shapes[last][0] - 1}\)")
     with _raises(compiled, pattern):
         opt.set_state(bad)
-    _assert_same(_state(opt, compiled), before)
+    assert_identical(_state(opt, compiled), before)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -272,7 +265,7 @@ def test_hyperparameter_of_the_wrong_kind_is_refused_on_load(compiled: bool) -> 
     sd["param_groups"][0]["betas"] = 0.9
     with pytest.raises(ValueError, match=r"Invalid state_dict: betas: 0\.9 \(expected a tuple of 2"):
         load_torch_state_dict(opt, case.torch_cls, sd)
-    _assert_same(_state(opt, compiled), before)
+    assert_identical(_state(opt, compiled), before)
     assert to_torch_state_dict(opt, case.torch_cls)["param_groups"][0]["lr"] == case.kwargs["lr"]
 
 

@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from tests.same import assert_identical
+from tests.helpers import assert_identical
 
 __all__ = ["assert_identical", "contents", "latest_folder", "loss_log", "server_contents",
            "shards"]

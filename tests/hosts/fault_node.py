@@ -31,7 +31,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from distopt import DistributedOptimizer, DistributedOptimizerError
-from tests.same import identical
+from tests.helpers import identical
 
 NAMES = ["trainer", "owner1", "owner2"]
 #: The RPC timeout until the fault's step: setup must not fail because the machine is busy.

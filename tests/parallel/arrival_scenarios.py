@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distopt.parallel import PowerSGD, TopK
 from distopt.parallel import optimizer as dp_optimizer
 from distopt.parallel.reducer import GradientReducer
-from tests.parallel.ranks import whole_state_dict
+from tests.parallel.training import whole_state_dict
 from tests.state_hooks import hooks_seen
 
 LAYERS = 6

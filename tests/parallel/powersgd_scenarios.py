@@ -18,8 +18,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from distopt import _torch
 from distopt.parallel import DataParallelOptimizer, PowerSGD
-from tests.parallel.ranks import eager_class, flat_params, whole_state_dict
-from tests.parallel.scenarios import wchar
+from tests.parallel.training import eager_class, flat_params, whole_state_dict
+from tests.parallel.feature_scenarios import wchar
 
 #: Large enough for one bucket, DDP's and ours (DDP's first bucket also holds at most 1 MiB).
 ONE_BUCKET_MB = 100.0

@@ -10,15 +10,15 @@ import copy
 import io
 import os
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import torch
 
 from distopt.parallel import DataParallelOptimizer, PowerSGD, TopK
 from distopt.parallel import shard as shard_module
+from tests.helpers import error_of, identical
 from tests.parallel.arrival_scenarios import Reversed
-from tests.parallel.ranks import eager_class, whole_state_dict
-from tests.same import identical
+from tests.parallel.training import eager_class, whole_state_dict
 
 WIDTH = 8
 LAYERS = 4
@@ -69,14 +69,6 @@ RUNS: Dict[str, Any] = {
 #: How a run is resumed: ``save`` / ``load``, or each rank's gathered ``state_dict()``
 #: (through torch.save, weights_only=True) and ``load_state_dict``.
 HOWS = ("save", "state_dict")
-
-
-def _error(call: Callable[[], Any]) -> str:
-    try:
-        call()
-    except Exception as exc:  # noqa: B902 - reported to the test
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def resumes(rank: int, world_size: int, path: str) -> Dict[str, Any]:
@@ -163,8 +155,8 @@ def refusals(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         params, opt = _one_matrix((16, 4), "flat")
         _stepped(params, opt, rank)
         before = whole_state_dict(opt)
-        out[f"{source}/load"] = _error(lambda: opt.load(where))
-        out[f"{source}/load_state_dict"] = _error(lambda: opt.load_state_dict(sd))
+        out[f"{source}/load"] = error_of(lambda: opt.load(where))
+        out[f"{source}/load_state_dict"] = error_of(lambda: opt.load_state_dict(sd))
         out[f"{source}/unchanged"] = identical(whole_state_dict(opt), before)
         _stepped(params, opt, rank)  # no rank was left waiting in a collective
         opt.close()
@@ -181,9 +173,9 @@ def refusals(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         os.remove(os.path.join(where, name))
         out["residuals_file"] = name
     torch.distributed.barrier()
-    out["one-rank/load"] = _error(lambda: opt.load(where))
+    out["one-rank/load"] = error_of(lambda: opt.load(where))
     del sd["state"][0]["exp_avg_sq"]
-    out["one-rank/load_state_dict"] = _error(lambda: opt.load_state_dict(sd))
+    out["one-rank/load_state_dict"] = error_of(lambda: opt.load_state_dict(sd))
     _stepped(params, opt, rank)
     opt.close()
     return out
@@ -264,14 +256,14 @@ def other_cap(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         for p, v in zip(model.parameters(), saved_params):
             p.copy_(v)
     resumed = make(model, 2.5 * CAP_MB)
-    out = {"load": _error(lambda: resumed.load(where))}
+    out = {"load": error_of(lambda: resumed.load(where))}
     _train(model, resumed, batches[SAVED_AT:])
     out["equal"] = bool(torch.equal(_params(model), straight))
     state = whole_state_dict(resumed)
     if rank == 0:
-        out["mismatch"] = _error(lambda: resumed.load_state_dict(state))
+        out["mismatch"] = error_of(lambda: resumed.load_state_dict(state))
     else:
-        out["mismatch"] = _error(lambda: resumed.consolidate_state_dict(to=None))
+        out["mismatch"] = error_of(lambda: resumed.consolidate_state_dict(to=None))
     resumed.close()
     return out
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from distopt.parallel import DataParallelOptimizer, optimizer_hook
-from tests.parallel.ranks import (SMALL_BUCKETS_MB, data, eager_class, flat_params, make_model,
+from tests.parallel.training import (SMALL_BUCKETS_MB, data, eager_class, flat_params, make_model,
                                   whole_state_dict)
 
 STEPS = 6

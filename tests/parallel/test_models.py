@@ -6,16 +6,16 @@ in test_features.py's buffer tests: its running statistics need ``module=``.)"""
 import pytest
 import torch
 
-from tests.parallel import models
+from tests.parallel import model_scenarios as scenarios
 
 
 @pytest.fixture(scope="module")
 def trained(worlds):
-    return worlds.run(models.users_models, 2)
+    return worlds.run(scenarios.users_models, 2)
 
 
-@pytest.mark.parametrize("run", list(models.RUNS))
-@pytest.mark.parametrize("case", list(models.CASES))
+@pytest.mark.parametrize("run", list(scenarios.RUNS))
+@pytest.mark.parametrize("case", list(scenarios.CASES))
 def test_users_models_step_as_under_ddp(trained, case, run):
     for rank in range(2):
         ddp = trained[rank][f"{case}/ddp"]

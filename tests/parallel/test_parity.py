@@ -8,7 +8,8 @@ the adaptive methods, reaches about 2e-6); and every rank ends with the same par
 import pytest
 import torch
 
-from tests.parallel import arrival_scenarios, ranks
+from tests.parallel import arrival_scenarios
+from tests.parallel import parity_scenarios as scenarios
 from tests.parallel.cases import CASE_IDS
 
 STEPS = 20
@@ -21,12 +22,12 @@ MODES = ["compiled-overlap", "compiled", "eager-overlap"]
 
 @pytest.fixture(scope="module")
 def two_ranks(worlds):
-    return worlds.run(ranks.parity, 2, STEPS, MODES)
+    return worlds.run(scenarios.parity, 2, STEPS, MODES)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(worlds):
-    return worlds.run(ranks.parity, 4, STEPS, ["compiled-overlap"])
+    return worlds.run(scenarios.parity, 4, STEPS, ["compiled-overlap"])
 
 
 @pytest.mark.parametrize("mode", MODES)

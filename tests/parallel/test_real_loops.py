@@ -1,15 +1,15 @@
 """Issue 36: training loops as users write them, unmodified, against DDP + torch.optim in the
-same gloo world (``real_loops``)."""
+same gloo world (``real_loop_scenarios``)."""
 import pytest
 import torch
 
-from tests.parallel import real_loops
-from tests.same import assert_identical
+from tests.helpers import assert_identical
+from tests.parallel import real_loop_scenarios as scenarios
 
 
 @pytest.fixture(scope="module")
 def nanogpt(worlds, tmp_path_factory):
-    return worlds.run(real_loops.nanogpt, 2, str(tmp_path_factory.mktemp("nanogpt")))
+    return worlds.run(scenarios.nanogpt, 2, str(tmp_path_factory.mktemp("nanogpt")))
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "grad-scaler"])
@@ -23,7 +23,7 @@ def test_nanogpt_loop_equals_ddp_with_default_options(nanogpt, scaled, options):
     """
     for rank in range(2):
         ddp, ours = nanogpt[rank][f"{scaled}/ddp"], nanogpt[rank][f"{scaled}/{options}"]
-        assert len(ours) == real_loops.ITERS
+        assert len(ours) == scenarios.ITERS
         assert not torch.equal(ours[0], ours[-1])  # it trained
         for it, (got, want) in enumerate(zip(ours, ddp)):
             assert torch.equal(got, want), (rank, it)
@@ -34,7 +34,7 @@ def test_nanogpt_loop_equals_ddp_with_default_options(nanogpt, scaled, options):
 def test_rank0_saves_the_state_dict_and_every_rank_resumes_it(nanogpt, scaled, options):
     for rank in range(2):
         resumed = nanogpt[rank][f"{scaled}/{options}/resumed"]
-        uninterrupted = nanogpt[rank][f"{scaled}/{options}"][real_loops.SAVE_AT + 1:]
+        uninterrupted = nanogpt[rank][f"{scaled}/{options}"][scenarios.SAVE_AT + 1:]
         assert len(resumed) == len(uninterrupted) > 0
         for got, want in zip(resumed, uninterrupted):
             assert torch.equal(got, want), rank
@@ -60,7 +60,7 @@ def test_clipping_that_starts_late_raises_at_each_step_it_missed(worlds):
     """Clipping from the third step on, after two steps that did not clip: those steps were
     stepped during backward with the averages, so each raises (the plan changes only at a
     step that waited, where every rank agrees); the parameters stay equal on every rank."""
-    results = worlds.run(real_loops.late_clipping, 2)
+    results = worlds.run(scenarios.late_clipping, 2)
     for result in results:
         assert [step for step, _ in result["errors"]] == [2, 3, 4]
         message = result["errors"][0][1]
@@ -77,7 +77,7 @@ def test_grads_changed_on_one_rank_only_change_the_plan_on_every_rank(worlds, sh
     scaling by 1): every rank decides to wait for step() from then on, so the sharded
     gathers stay in one order (before, rank 1 aborted in gloo: "collective mismatch"), and
     the parameters equal DDP's."""
-    for result in worlds.run(real_loops.norm_logged_on_rank0, 2, shard):
+    for result in worlds.run(scenarios.norm_logged_on_rank0, 2, shard):
         assert result["edited"] == [True] * 3
         for got, want in zip(result["ours"], result["ddp"]):
             assert torch.equal(got, want)
@@ -89,7 +89,7 @@ def test_two_optimizers_under_join_with_save_inside(worlds, tmp_path, nested):
     BatchNorm buffers of DDP's last joiner on every rank; save() and
     consolidate_state_dict() inside the block after rank 1 joined complete, and what they
     wrote is the state of that iteration."""
-    results = worlds.run(real_loops.two_optimizers_join, 2, str(tmp_path), nested)
+    results = worlds.run(scenarios.two_optimizers_join, 2, str(tmp_path), nested)
     last = results[0]
     for r in results:
         assert torch.equal(r["ours"], last["ddp"])
@@ -103,13 +103,13 @@ def test_two_optimizers_under_join_with_save_inside(worlds, tmp_path, nested):
 
 
 def test_a_dataparallel_optimizer_and_ddp_in_one_join_are_refused(worlds):
-    for r in worlds.run(real_loops.join_with_ddp, 2):
+    for r in worlds.run(scenarios.join_with_ddp, 2):
         assert r == {"opt-first": "Using join context manager with multiple process groups",
                      "ddp-first": "Using join context manager with multiple process groups"}
 
 
 def test_load_inside_join_is_refused_at_once(worlds, tmp_path):
-    for rank, r in enumerate(worlds.run(real_loops.load_inside_join, 2, str(tmp_path))):
+    for rank, r in enumerate(worlds.run(scenarios.load_inside_join, 2, str(tmp_path))):
         for shard in (None, "flat"):
             assert r[f"{shard}/load"].startswith(
                 f"Invalid load on rank {rank}: inside a Join block"), r
@@ -120,7 +120,7 @@ def test_load_inside_join_is_refused_at_once(worlds, tmp_path):
 
 @pytest.fixture(scope="module")
 def changed(worlds):
-    return worlds.run(real_loops.changed_after_construction, 2)
+    return worlds.run(scenarios.changed_after_construction, 2)
 
 
 @pytest.mark.parametrize("cast,dtype", [("double", "torch.float64"), ("half", "torch.float16"),
@@ -164,12 +164,12 @@ def test_compile_fullgraph_of_a_torch_container_names_the_fix(compiled):
 
 @pytest.fixture(scope="module")
 def compiled(worlds):
-    return worlds.run(real_loops.compiled_module, 2)
+    return worlds.run(scenarios.compiled_module, 2)
 
 
 def test_a_loop_that_leaves_grads_alone_keeps_stepping_during_backward(worlds):
     """The check behind item 1 sees no change where the loop makes none (no scheme writes
     into a bucket after its reduction): every step after the first overlaps."""
-    for result in worlds.run(real_loops.untouched_grads_keep_overlapping, 2):
+    for result in worlds.run(scenarios.untouched_grads_keep_overlapping, 2):
         for name, seen in result.items():
             assert seen == {"in_backward": [False, True, True], "edited": False}, name

@@ -16,7 +16,8 @@ eager run, holding about half the state at 2 ranks.
 import pytest
 import torch
 
-from tests.parallel import shard_ranks
+from tests.helpers import assert_identical
+from tests.parallel import shard_scenarios as scenarios
 from tests.parallel.cases import CASE_IDS
 
 STEPS = 6
@@ -24,17 +25,17 @@ STEPS = 6
 #: shape-dependent.
 THREE_RANK_CASES = ["SGD", "AdamW", "RMSprop", "Adafactor", "Muon"]
 KEYS = [(name, shard) for name in CASE_IDS for shard in ("param", "flat")
-        if not (shard == "flat" and name in shard_ranks.SHAPED)]
+        if not (shard == "flat" and name in scenarios.SHAPED)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(worlds):
-    return worlds.run(shard_ranks.parity, 2, STEPS, [True, False])
+    return worlds.run(scenarios.parity, 2, STEPS, [True, False])
 
 
 @pytest.fixture(scope="module")
 def three_ranks(worlds):
-    return worlds.run(shard_ranks.parity, 3, STEPS, [True], THREE_RANK_CASES)
+    return worlds.run(scenarios.parity, 3, STEPS, [True], THREE_RANK_CASES)
 
 
 def _check(results, key, world_size):
@@ -47,7 +48,7 @@ def _check(results, key, world_size):
     shard = key.split("/")[1]
     for r in range(world_size):
         res = results[r][key]
-        bound = shard_ranks.memory_bound(res["total"], res["largest"], world_size, shard,
+        bound = scenarios.memory_bound(res["total"], res["largest"], world_size, shard,
                                          res["buckets"], 6)
         assert res["state_bytes"] <= bound, (key, r, res["state_bytes"], bound, res["total"])
     held = sum(results[r][key]["state_bytes"] for r in range(world_size))
@@ -68,7 +69,7 @@ def test_three_ranks_equal_unsharded(three_ranks, name, shard):
 
 
 def test_features_equal_unsharded(worlds):
-    for result in worlds.run(shard_ranks.features, 2):
+    for result in worlds.run(scenarios.features, 2):
         for name, by_shard in result.items():
             assert by_shard == {"param": True, "flat": True}, name
 
@@ -77,12 +78,12 @@ def test_checkpoints_saved_by_two_ranks_load_on_three(worlds, tmp_path):
     """Saved by 2 ranks, loaded by 3 as "flat", "param" and unsharded: equal to the saved
     state, and to each other after 3 more steps."""
     paths = {shard: str(tmp_path / shard) for shard in ("flat", "param")}
-    saved = worlds.run(shard_ranks.save, 2, paths)
+    saved = worlds.run(scenarios.save, 2, paths)
     for shard in paths:
         files = saved[0][shard]["files"]
         assert len([f for f in files if "-shard-rank" in f]) == 2 and "manifest.json" in files
-        assert shard_ranks._state_equal(saved[0][shard]["saved"], saved[1][shard]["saved"])
-    resumed = worlds.run(shard_ranks.resume, 3, paths, saved[0])
+        assert_identical(saved[0][shard]["saved"]["state"], saved[1][shard]["saved"]["state"])
+    resumed = worlds.run(scenarios.resume, 3, paths, saved[0])
     for source in paths:
         for r in range(3):
             for shard in ("flat", "param", "None", "eager"):
@@ -98,13 +99,13 @@ def test_checkpoints_saved_by_two_ranks_load_on_three(worlds, tmp_path):
 
 
 def test_load_refuses_a_shard_missing_a_piece(worlds, tmp_path):
-    for message in worlds.run(shard_ranks.load_refuses_gaps, 2, str(tmp_path)):
+    for message in worlds.run(scenarios.load_refuses_gaps, 2, str(tmp_path)):
         assert "do not cover" in message or "another rank refused" in message, message
         assert "Invalid checkpoint" in message
 
 
 def test_bad_arguments_are_named(worlds):
-    out = worlds.run(shard_ranks.bad_arguments, 2)[0]
+    out = worlds.run(scenarios.bad_arguments, 2)[0]
     assert "Invalid shard: 'rows'" in out["mode"]
     assert "Invalid shard: 'flat' for Adafactor" in out["flat-adafactor"]
     assert "shard='param'" in out["flat-adafactor"]

@@ -1,34 +1,14 @@
 """Concurrent trainers over one table lose no row update (the owners' per-parameter locks)."""
-import threading
-from typing import Any, Callable, List
-
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 
 from distopt.sparse import ShardedEmbedding, SparseSGD
+from tests.helpers import run_in_threads
 
 STEPS = 15
 THREADS = 3
 INDICES = torch.tensor([0, 1, 1, 5, 9, 9, 9, 14])
-
-
-def run_in_threads(targets: List[Callable[[], Any]]) -> None:
-    errors: List[BaseException] = []
-
-    def guarded(target: Callable[[], Any]) -> None:
-        try:
-            target()
-        except BaseException as exc:  # reported in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import torch
 
 from distopt.sparse import ShardedEmbedding, SparseAdagrad, SparseAdam, SparseSGD
 from tests.distopt.sparse import harness
-from tests.same import assert_identical
+from tests.helpers import assert_identical
 
 CASES = [
     ("adam", SparseAdam, {"lr": 0.05}),

@@ -1,6 +1,6 @@
 """Rank-side scenarios for the feature tests (bytes, compression, accumulation, failures,
 state, clipping, RoundRobin, checkpoints, subgroups). Each returns plain data; see
-``tests.parallel.ranks`` for the shared model and data."""
+``tests.parallel.training`` for the shared model and data."""
 import contextlib
 import json
 import os
@@ -14,9 +14,9 @@ import torch.distributed as dist
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, Threshold, TopK
 from distopt.parallel import compression as compression_module
 from distopt.parallel.sync import partition
-from tests.parallel import traces
-from tests.same import identical
-from tests.parallel.ranks import (
+from tests.helpers import identical
+from tests.parallel import trace_scenarios
+from tests.parallel.training import (
     whole_state_dict,
     COMPLEX_CASES,
     SMALL_BUCKETS_MB,
@@ -337,16 +337,16 @@ def ddp_semantics(rank: int, world_size: int) -> Dict[str, Any]:
     """What DDP + torch.optim does, in one world: parameters some or no rank used, the zero
     gradients of unused layers, complex parameters, the GradScaler recipe, buffers, uneven
     inputs under Join (and, last, as it breaks a group of its own, uneven inputs without)."""
-    from tests.parallel import ddp_buffers_join
+    from tests.parallel import buffer_join_scenarios
     from tests.parallel.scaler_scenarios import grad_scaler
 
     return {"unused": unused_parameters(rank, world_size),
             "zero_grads": zero_grads_of_unused(rank, world_size),
             "complex": complex_parameters(rank, world_size),
             "grad_scaler": grad_scaler(rank, world_size),
-            "buffers": ddp_buffers_join.buffers_like_ddp(rank, world_size),
-            "join": ddp_buffers_join.join_like_ddp(rank, world_size),
-            "uneven": ddp_buffers_join.uneven_without_join(rank, world_size)}
+            "buffers": buffer_join_scenarios.buffers_like_ddp(rank, world_size),
+            "join": buffer_join_scenarios.join_like_ddp(rank, world_size),
+            "uneven": buffer_join_scenarios.uneven_without_join(rank, world_size)}
 
 
 # ---------------------------------------------------------------- complex parameters
@@ -737,8 +737,8 @@ def integration(rank: int, world_size: int) -> Dict[str, Any]:
         loss_of(model, xs, ys).backward()
     except ValueError as exc:
         out["fixed_key"] = str(exc)
-    # 3. What a user's torch.profiler trace shows of the steps (tests.parallel.traces).
-    out["traces"] = traces.profiled(rank, world_size)
+    # 3. What a user's torch.profiler trace shows of the steps (tests.parallel.trace_scenarios).
+    out["traces"] = trace_scenarios.profiled(rank, world_size)
     return out
 
 
@@ -1486,47 +1486,4 @@ def ddp_and_optimizer(rank: int, world_size: int) -> Dict[str, Any]:
         Exception)
     opt.close()
     del tied_ddp, delayed_ddp, frozen_ddp
-    return out
-
-
-def half_loads(rank: int, world_size: int) -> Dict[str, Any]:
-    """A state_dict whose second param group lacks "lr", every state entry set to 7: refused
-    with nothing loaded, for DataParallelOptimizer (unsharded, "flat", "param") and
-    OptimizerInBackward. Per case: the message, and whether the state is what it was."""
-    import copy
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    from distopt.parallel import OptimizerInBackward
-
-    out: Dict[str, Any] = {}
-    for case in ("None", "flat", "param", "in_backward"):
-        model = make_model(seed=8)
-        groups = [{"params": model[0].parameters()},
-                  {"params": list(model[2].parameters()) + list(model[4].parameters()), "lr": 0.01}]
-        if case == "in_backward":
-            ddp = DistributedDataParallel(model)
-            opt = OptimizerInBackward(ddp, torch.optim.Adam, groups, lr=0.1)
-            forward = ddp
-        else:
-            opt = DataParallelOptimizer(torch.optim.Adam, groups, lr=0.1,
-                                        shard=None if case == "None" else case)
-            forward = model
-        forward(torch.randn(4, 6)).square().mean().backward()
-        if case != "in_backward":
-            opt.step()
-        if case in ("flat", "param"):
-            opt.consolidate_state_dict(to=None)
-        saved = opt.state_dict()
-        bad = copy.deepcopy(saved)
-        for entry in bad["state"].values():
-            for value in entry.values():
-                value.fill_(7.0)
-        del bad["param_groups"][1]["lr"]
-        out[case] = _error_of(lambda: opt.load_state_dict(bad), ValueError)
-        if case in ("flat", "param"):
-            opt.consolidate_state_dict(to=None)
-        out[f"{case}/unchanged"] = identical(opt.state_dict()["state"], saved["state"])
-        if case != "in_backward":
-            opt.close()
     return out

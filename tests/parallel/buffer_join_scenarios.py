@@ -1,6 +1,6 @@
 """Rank-side scenarios for DDP's buffer broadcasts (``module=``) and uneven inputs (``Join``),
-each against DDP + torch.optim in the same world (``scenarios.ddp_semantics``), and the error
-a rank gets when the ranks run different numbers of steps without Join.
+each against DDP + torch.optim in the same world (``feature_scenarios.ddp_semantics``), and
+the error a rank gets when the ranks run different numbers of steps without Join.
 
 References are DDP + torch.optim runs on the same data, with torch.optim's fused kernels
 (those the compiled steps run), so that every comparison is bit for bit.
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, RoundRobin, TopK
 from distopt.parallel import compression_hook
-from tests.parallel.ranks import (SMALL_BUCKETS_MB, eager_class, flat_params, make_model,
+from tests.parallel.training import (SMALL_BUCKETS_MB, eager_class, flat_params, make_model,
                                   whole_state_dict)
 
 

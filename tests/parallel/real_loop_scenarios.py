@@ -22,9 +22,9 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from distopt.parallel import DataParallelOptimizer
-from tests.parallel.ddp_buffers_join import BatchNormNet, image_batch
-from tests.parallel.models import BATCH, SEQ, VOCAB, TinyLM
-from tests.parallel.ranks import flat_params
+from tests.parallel.buffer_join_scenarios import BatchNormNet, image_batch
+from tests.parallel.model_scenarios import BATCH, SEQ, VOCAB, TinyLM
+from tests.parallel.training import flat_params
 
 #: nanoGPT's AdamW (its betas; a larger lr so that a few steps move the parameters), on
 #: torch's fused kernel, the one the compiled steps run.

@@ -1,8 +1,8 @@
 """A rank's side of the profiler-range tests: a few real steps under ``torch.profiler``, and
 the ranges the trace holds, as plain data (``distopt.profiling`` names them).
 
-Called from existing worlds (``tests.parallel.scenarios.integration`` and
-``tests.parallel.test_hooks.hook_ranks``); the tests read what they return in
+Called from existing worlds (``tests.parallel.feature_scenarios.integration`` and
+``tests.parallel.hook_scenarios.hook_ranks``); the tests read what they return in
 ``tests/parallel/test_features.py`` and ``tests/parallel/test_hooks.py``.
 """
 from typing import Any, Dict, List, Tuple

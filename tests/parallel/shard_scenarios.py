@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from distopt.parallel import Cast, DataParallelOptimizer, PowerSGD, TopK
+from tests.helpers import identical
+from tests.parallel import training
 from tests.parallel.cases import CASES
-from tests.parallel import ranks
-from tests.parallel.ranks import eager_class, flat_params, whole_state_dict
+from tests.parallel.training import eager_class, flat_params, whole_state_dict
 
 #: Buckets of at most 1,200 float32 elements: the model below has four, one holding
 #: several parameters, and the "flat" cuts fall inside parameters of 1,961 and 1,537.
@@ -24,7 +25,7 @@ SHAPED = ("Adafactor", "Muon")
 
 
 def make_model(biases: bool = True, seed: int = 0) -> torch.nn.Module:
-    return ranks.make_model(biases, seed, sizes=(37, 53, 29, 1))
+    return training.make_model(biases, seed, sizes=(37, 53, 29, 1))
 
 
 def batch(rank: int, world_size: int, step: int, n: int = 8):
@@ -50,22 +51,6 @@ def train(opt, model, rank, world_size, steps, first=0, scheduler=None, passes=1
         opt.zero_grad()
         if scheduler is not None:
             scheduler.step()
-
-
-def _state_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    if a["state"].keys() != b["state"].keys():
-        return False
-    for i, entry in a["state"].items():
-        other = b["state"][i]
-        if entry.keys() != other.keys():
-            return False
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                if value.shape != other[key].shape or not torch.equal(value, other[key]):
-                    return False
-            elif value != other[key]:
-                return False
-    return True
 
 
 def parity(rank: int, world_size: int, steps: int, overlaps: List[bool],
@@ -101,7 +86,7 @@ def parity(rank: int, world_size: int, steps: int, overlaps: List[bool],
                 out[f"{cls.__name__}/{shard}/{overlap}"] = {
                     "params": flat_params(model),
                     "exact": bool(torch.equal(flat_params(model), ref_params)),
-                    "state_exact": _state_equal(whole_state_dict(opt), ref_state),
+                    "state_exact": identical(whole_state_dict(opt)["state"], ref_state["state"]),
                     "state_bytes": opt.state_bytes(),
                     "total": total,
                     "largest": largest,
@@ -142,7 +127,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
             opt.close()
         out[name] = {
             shard: bool(torch.equal(results[shard][0], results[None][0]))
-            and _state_equal(results[shard][1], results[None][1])
+            and identical(results[shard][1]["state"], results[None][1]["state"])
             for shard in ("param", "flat")
         }
     # An eager class (no functional twin), "param" only: against the unsharded eager one,
@@ -156,10 +141,11 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
         results[shard] = (flat_params(model), whole_state_dict(opt), opt.state_bytes())
         if shard is not None:
             opt.load_state_dict(results[None][1])
-            reloaded = _state_equal(whole_state_dict(opt), results[None][1])
+            reloaded = identical(whole_state_dict(opt)["state"], results[None][1]["state"])
         opt.close()
     out["eager"] = {"param": bool(torch.equal(results["param"][0], results[None][0]))
-                    and _state_equal(results["param"][1], results[None][1]) and reloaded
+                    and identical(results["param"][1]["state"], results[None][1]["state"])
+                    and reloaded
                     and results["param"][2] < 0.75 * results[None][2],
                     "flat": True}
     # Adafactor keeps a matrix's state as two vectors: balanced by state, not elements.
@@ -207,7 +193,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
         opt.close()
     out["odd"] = {
         shard: bool(torch.equal(results[shard][0], results[None][0]))
-        and _state_equal(results[shard][1], results[None][1])
+        and identical(results[shard][1]["state"], results[None][1]["state"])
         # model[2] (skipped by the forward above) and ``idle`` have no state
         and sorted(results[shard][1]["state"]) == [0, 1, 4, 5, 6, 7]
         for shard in ("param", "flat")
@@ -252,7 +238,7 @@ def resume(rank: int, world_size: int, paths: Dict[str, str],
                 opt.load_state_dict(saved[source]["saved"])
             else:
                 opt.load(path)
-            loaded = _state_equal(whole_state_dict(opt), saved[source]["saved"])
+            loaded = identical(whole_state_dict(opt)["state"], saved[source]["saved"]["state"])
             train(opt, model, rank, world_size, 3, first=3)
             out[f"{source}->{shard}"] = {"loaded": loaded, "params": flat_params(model)}
             opt.close()
@@ -308,7 +294,7 @@ def load_refuses_gaps(rank: int, world_size: int, path: str) -> str:
         message = ""
     except ValueError as exc:
         message = str(exc)
-    assert _state_equal(whole_state_dict(opt), before)
+    assert identical(whole_state_dict(opt)["state"], before["state"])
     opt.close()
     return message
 
