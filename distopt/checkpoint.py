@@ -46,6 +46,7 @@ from torch import Tensor
 
 from distopt import manifest as _manifest
 from distopt import state
+from distopt.saved_state import check_saved_entry, check_saved_groups
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
 from distopt.layout import Layout
@@ -168,7 +169,7 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
     if check is not None:  # first: a caller's record explains a count or shape that differs
         check(manifest)
     groups = [_decode(g) for g in manifest["param_groups"]]
-    id_map = state.check_groups(layout, trainer, groups, what="checkpoint")
+    id_map = check_saved_groups(state.spec_of(layout, trainer), groups, what="checkpoint")
     saved_params = manifest["params"]
     if len(saved_params) != len(layout.param_shapes):
         raise ValueError(
@@ -400,7 +401,7 @@ def stage_shards(
             if saved_id not in wanted:
                 continue
             i = wanted[saved_id]
-            state.check_values(i, entry, shapes[i], repr(saved_id), "checkpoint", local.compiled)
+            check_saved_entry(i, entry, shapes[i], repr(saved_id), "checkpoint", local.compiled)
             # Eager torch.optim keeps the tensors it is given: copy them out of the mapping.
             staged[i] = entry if local.compiled else {
                 k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()

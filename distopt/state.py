@@ -8,26 +8,20 @@ counts, shapes), then has every owner check its part against its optimizer (keys
 dtypes, devices: ``stage``) before any owner changes (``commit``);
 ``distopt.checkpoint.load`` uses the same two rounds.
 """
-import itertools
 import logging
 import uuid
 from typing import Any, Dict, List
 
-import torch
 import torch.distributed.rpc as rpc
-from torch import Tensor
 
 from distopt.errors import DistributedOptimizerError, returns_failure
 from distopt.fanout import fan_out
 from distopt.layout import Layout
-from distopt.param_groups import TrainerGroups, same, snapshot
-from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter, torch_group
+from distopt.param_groups import TrainerGroups, snapshot
+from distopt.saved_state import SavedStateSpec, check_state_dict
+from functional._state import IMPLEMENTATION_KEYS
 
 logger = logging.getLogger(__name__)
-
-#: State whose shape is its own rather than its parameter's (Adafactor's factored moments).
-_OWN_SHAPE_KEYS = ("row_var", "col_var", "variance")
-
 
 # ---------------------------------------------------------------- trainer side
 
@@ -60,116 +54,11 @@ def group_dicts(layout: Layout, param_groups: List[Dict[str, Any]]) -> List[Dict
     ]
 
 
-def check_groups(
-    layout: Layout, trainer: TrainerGroups, groups: Any, what: str = "state_dict"
-) -> Dict[Any, int]:
-    """Check saved param groups against the trainer's; returns saved id -> global index.
-
-    Args:
-        layout: the optimizer's owners and parameters.
-        trainer: the trainer's param groups and the values its owners hold.
-        groups: the saved param groups.
-        what: "state_dict" or "checkpoint", for messages.
-
-    Raises:
-        ValueError: another number of groups or of parameters in a group, keys of another
-            class, or a change to a hyper-parameter the compiled optimizer fixes.
-    """
-    name = layout.optimizer_class.__name__
-    sent = trainer.sent
-    if not isinstance(groups, (list, tuple)):
-        raise ValueError(
-            f"Invalid {what}: param_groups is {type(groups).__name__} (expected a list)"
-        )
-    if len(groups) != len(trainer.param_groups):
-        raise ValueError(
-            f"Invalid {what}: {len(groups)} param groups (expected {len(trainer.param_groups)})"
-        )
-    required = set(trainer.required)
-    for g, (saved, indices) in enumerate(zip(groups, layout.group_indices)):
-        if not isinstance(saved, dict) or "params" not in saved:
-            raise ValueError(
-                f"Invalid {what}: param_groups[{g}] is not a param group (expected a dict "
-                f"with 'params')"
-            )
-        # A state_dict of an older torch lacks the options added since: filled as
-        # torch.optim's load_state_dict fills them (the owners fill theirs the same way).
-        saved = torch_group(layout.optimizer_class, saved)
-        missing = sorted(required - set(saved))
-        if missing:
-            raise ValueError(
-                f"Invalid {what}: param_groups[{g}] lacks {missing!r}, so it is not a "
-                f"{name} state_dict (expected every key of a {name} param group)"
-            )
-        if len(saved["params"]) != len(indices):
-            raise ValueError(
-                f"Invalid {what}: param_groups[{g}] holds {len(saved['params'])} parameters "
-                f"(expected {len(indices)})"
-            )
-        for key in layout.hyper_keys:
-            if key in saved and not same(saved[key], sent[g][key]):
-                where = f"{what}: param_groups[{g}]"
-                check_hyperparameter(layout.optimizer_class, key, saved[key], where)
-        if layout.settable is not None:
-            for key in layout.hyper_keys:
-                if key in IMPLEMENTATION_KEYS:
-                    continue
-                if key not in layout.settable and not same(saved[key], sent[g][key]):
-                    raise ValueError(
-                        f"Invalid {what}: param_groups[{g}][{key!r}] is {saved[key]!r} "
-                        f"(expected {sent[g][key]!r}: the compiled {name} cannot change "
-                        f"{key} after construction)"
-                    )
-    saved_ids = list(itertools.chain.from_iterable(g["params"] for g in groups))
-    id_map = dict(zip(saved_ids, itertools.chain.from_iterable(layout.group_indices)))
-    if len(id_map) != len(saved_ids):
-        raise ValueError(
-            f"Invalid {what}: a parameter id appears twice in param_groups (expected each "
-            f"parameter id once)"
-        )
-    return id_map
-
-
-def check_values(
-    i: int, entry: Any, shape: torch.Size, where: str, what: str, tensors_only: bool
-) -> None:
-    """Check one parameter's saved state against the shape of parameter ``i``.
-
-    Args:
-        i: the parameter's global index.
-        entry: its saved state, ``{key: value}``.
-        shape: the parameter's shape.
-        where: the entry's key in the saved state, for messages.
-        what: "state_dict" or "checkpoint", for messages.
-        tensors_only: whether every value but a numeric ``step`` must be a tensor (the
-            compiled path keeps tensors only).
-
-    Raises:
-        ValueError: naming the entry, when it is not a dict, holds a non-tensor where only
-            tensors are kept, or a tensor of another shape.
-    """
-    if not isinstance(entry, dict):
-        raise ValueError(
-            f"Invalid {what}: state[{where}] is {type(entry).__name__} (expected a dict)"
-        )
-    for key, value in entry.items():
-        if not isinstance(value, Tensor):
-            is_step = key == "step" and isinstance(value, (int, float)) and not isinstance(
-                value, bool)
-            if tensors_only and not is_step:
-                raise ValueError(
-                    f"Invalid {what}: state[{where}][{key!r}] is {type(value).__name__} "
-                    f"(expected a Tensor)"
-                )
-            continue
-        if (
-            value.dim() > 0 and key != "step" and key not in _OWN_SHAPE_KEYS
-            and value.shape != shape and value.numel() > 1
-        ):
-            raise ValueError(
-                f"Invalid {what}: state[{where}][{key!r}] has shape {tuple(value.shape)} "
-                f"(expected {tuple(shape)}, the shape of parameter {i})"
-            )
+def spec_of(layout: Layout, trainer: TrainerGroups) -> SavedStateSpec:
+    """What a saved state must fit to load into a DistributedOptimizer."""
+    return SavedStateSpec(layout.optimizer_class, layout.group_indices, layout.param_shapes,
+                          layout.hyper_keys, layout.settable, trainer.sent, trainer.required,
+                          layout.compiled)
 
 
 def load_state_dict(layout: Layout, trainer: TrainerGroups, state_dict: Dict[str, Any]) -> None:
@@ -181,34 +70,8 @@ def load_state_dict(layout: Layout, trainer: TrainerGroups, state_dict: Dict[str
             loaded ones once every owner has loaded its part.
         state_dict: torch.optim's format.
     """
-    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-        raise ValueError(
-            f"Invalid state_dict: keys {got!r} (expected ['param_groups', 'state'])"
-        )
-    groups = state_dict["param_groups"]
-    id_map = check_groups(layout, trainer, groups)
-    saved_state = state_dict["state"]
-    if not isinstance(saved_state, dict):
-        raise ValueError(
-            f"Invalid state_dict: state is {type(saved_state).__name__} (expected a dict)"
-        )
-    by_index: Dict[int, Dict[str, Any]] = {}
-    for saved_id, entry in saved_state.items():
-        if saved_id not in id_map:
-            raise ValueError(
-                f"Invalid state_dict: state for parameter {saved_id!r} (expected one of the "
-                f"ids in param_groups)"
-            )
-        i = id_map[saved_id]
-        check_values(
-            i, entry, layout.param_shapes[i], repr(saved_id), "state_dict", layout.compiled
-        )
-        by_index[i] = entry
-    hyper = [
-        {k: v for k, v in torch_group(layout.optimizer_class, g).items() if k != "params"}
-        for g in groups
-    ]
+    checked = check_state_dict(spec_of(layout, trainer), state_dict)
+    by_index, hyper = checked.by_index, checked.hyper
     token = uuid.uuid4().hex
     stage_calls = {}
     for part in layout.owners:

@@ -37,9 +37,10 @@ from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression, reduction_for
 from distopt.parallel import state as _state
 from distopt.parallel.amp import amp_scaling, drop_amp_scaling
-from distopt.parallel.state import foreign_residuals, saved_layout
+from distopt.parallel.state import foreign_residuals
 from distopt.parallel.units import CompiledUnits, Unit
 from distopt.profiling import profiler_range
+from distopt.saved_state import check_state_dict
 from distopt.surface import (
     become_torch_optimizer,
     indexed_groups,
@@ -640,10 +641,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         load_state_dict_with_hooks(self, state_dict, self._load)
 
     def _load(self, state_dict: Dict[str, Any]) -> None:
-        saved_groups, saved_ids = saved_layout(state_dict, self.param_groups)
-        _state.check_saved_groups(self.optimizer_class, self._units.hyper_keys, saved_groups)
-        position = {saved: i for i, saved in enumerate(saved_ids)}
-        state = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+        checked = check_state_dict(_state.spec_for(
+            self.optimizer_class, self.param_groups, self._units.hyper_keys, self._units),
+            state_dict)
+        saved_groups, position = state_dict["param_groups"], checked.id_map
+        state = checked.by_index
         self._units.check_state(state)
         params = [p for g in self.param_groups for p in g["params"]]
         residuals = _state.checked_residuals(state_dict, position, dict(enumerate(params)))

@@ -4,9 +4,10 @@ torch.optim's format (torch's state-dict hooks run, ``distopt.surface``), and wh
 ``RoundRobin``'s round, sharded pieces (``distopt.parallel.shard``), checkpoints
 (``distopt.parallel.checkpoint``).
 
-One checker for both data-parallel optimizers (``check_saved_groups``, ``saved_layout``,
-``checked_residuals``): a state_dict is checked whole, every group and every entry, before
-anything of it is loaded, so a refused one leaves every group as it was. The functions on
+The one checker of every optimizer of this project (``distopt.saved_state``, through
+``spec_for``), then what only these optimizers hold (residuals, compression state, shards):
+a state_dict is checked whole, every group and every entry, before anything of it is
+loaded, so a refused one leaves every group as it was. The functions on
 ``DataParallelOptimizer``'s state take its engine (``distopt.parallel.engine``).
 """
 import warnings
@@ -14,42 +15,39 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-from distopt.param_groups import check_groups
+from distopt.param_groups import check_groups, snapshot
 from distopt.parallel import plan as _plan
 from distopt.parallel import shard as _shard
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.compression import Compression
 from distopt.parallel.sync import refuse_everywhere
 from distopt.parallel.units import CompiledUnits
+from distopt.saved_state import CheckedState, SavedStateSpec, check_state_dict
 from distopt.surface import indexed_groups, state_dict_with_hooks
-from functional._state import check_hyperparameter, missing_group_keys
 
-__all__ = ["adopt_groups", "check_saved_groups", "checked_loader", "checked_residuals", "compiled_state_dict",
-           "foreign_residuals", "load_plan", "put_residuals", "residuals", "saved_layout",
+__all__ = ["adopt_groups", "checked_loader", "checked_residuals", "compiled_state_dict",
+           "foreign_residuals", "load_plan", "put_residuals", "residuals", "spec_for",
            "state_dict", "warn_residuals_once"]
 
 
 # ---------------------------------------------------------------- both optimizers
 
 
-def check_saved_groups(optimizer_class: type, hyper_keys: List[str],
-                       saved_groups: List[Dict[str, Any]]) -> None:
-    """Every saved group's hyper-parameters, all of them before anything is loaded (the
-    load itself would refuse a group lacking a key only when it reached that group,
-    after loading the groups before it)."""
-    name = optimizer_class.__name__
-    for j, saved in enumerate(saved_groups):
-        missing = missing_group_keys(optimizer_class, saved)
-        if missing:
-            raise ValueError(
-                f"Invalid state_dict: param_groups[{j}] lacks {missing!r}, so it is not a "
-                f"{name} state_dict (expected every key of a {name} param group); nothing "
-                f"was loaded")
-    for j, saved in enumerate(saved_groups):
-        for key in hyper_keys:
-            if key in saved:
-                check_hyperparameter(optimizer_class, key, saved[key],
-                                     f"state_dict param group {j}")
+def spec_for(optimizer_class: type, param_groups: List[Dict[str, Any]],
+             hyper_keys: List[str], units: Optional[CompiledUnits]) -> SavedStateSpec:
+    """What a saved state must fit (``distopt.saved_state``): ``param_groups``' parameters
+    numbered over the groups in order, stepped by ``units`` (None: an eager class)."""
+    indices, start = [], 0
+    for g in param_groups:
+        indices.append(list(range(start, start + len(g["params"]))))
+        start += len(g["params"])
+    shapes = [p.shape for g in param_groups for p in g["params"]]
+    if units is None:
+        held = [{k: snapshot(g[k]) for k in hyper_keys} for g in param_groups]
+        return SavedStateSpec(optimizer_class, indices, shapes, hyper_keys, None, held,
+                              hyper_keys, False)
+    return SavedStateSpec(optimizer_class, indices, shapes, hyper_keys, units.settable,
+                          units.sent, hyper_keys, True)
 
 
 def checked_residuals(state_dict: Dict[str, Any], position: Dict[Any, int],
@@ -159,8 +157,12 @@ def checked_loader(engine: Any, state_dict: Dict[str, Any],
                                       "load_state_dict")
         return loader
     check_groups(engine.param_groups, engine.built)
-    saved_groups, saved_ids = saved_layout(state_dict, engine.param_groups)
-    position = {saved: i for i, saved in enumerate(saved_ids)}
+    checked = check_state_dict(
+        spec_for(engine.optimizer_class, engine.param_groups, engine.hyper_keys,
+                 engine.units if engine.eager is None else None), state_dict)
+    saved_groups = state_dict["param_groups"]
+    position = checked.id_map
+    saved_ids = sorted(position, key=position.get)
     saved_residuals = (checked_residuals(state_dict, position, engine.bucketed)
                        if engine.reduction.error_feedback else {})
     foreign = foreign_residuals(state_dict, engine.name, engine.rank,
@@ -172,7 +174,7 @@ def checked_loader(engine: Any, state_dict: Dict[str, Any],
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise ValueError(
             f"Invalid state_dict['sync']['round']: {rounds!r} (expected an int >= 0)")
-    whole = _checked_whole_state(engine, state_dict, saved_groups, saved_ids, pieces)
+    whole = _checked_whole_state(engine, checked, saved_ids, pieces)
 
     def load() -> None:
         if relayout is not None:
@@ -187,16 +189,14 @@ def checked_loader(engine: Any, state_dict: Dict[str, Any],
     return load
 
 
-def _checked_whole_state(engine: Any, state_dict: Dict[str, Any],
-                         saved_groups: List[Dict[str, Any]], saved_ids: List[Any],
+def _checked_whole_state(engine: Any, saved: CheckedState, saved_ids: List[Any],
                          pieces: Optional[Dict[int, Any]]) -> Dict[int, Dict[str, Any]]:
-    """A compiled class's saved state by global index, checked (sharded: this rank's
-    pieces of it, cut as the buckets after the load hold them); {} for an eager class."""
+    """A compiled class's saved state by global index, checked by its compiled steps
+    (sharded: this rank's pieces of it, cut as the buckets after the load hold them); {} for
+    an eager class."""
     if engine.eager is not None:
         return {}
-    position = {saved: i for i, saved in enumerate(saved_ids)}
-    whole = {position[k]: v for k, v in state_dict["state"].items() if k in position}
-    check_saved_groups(engine.optimizer_class, engine.hyper_keys, saved_groups)
+    whole = dict(saved.by_index)
     checked = whole
     if engine.shard is not None:  # every parameter's, on every rank: every rank decides alike
         _shard.check_laid_out(engine, whole)
@@ -306,34 +306,3 @@ def foreign_residuals(state_dict: Dict[str, Any], name: str, rank: int, world_si
         f"error feedback of what it did not send, so this rank now holds another rank's, and "
         f"the run drifts from one that kept its own (expected {remedy})"
     )
-
-
-def saved_layout(state_dict: Any, param_groups: List[Dict[str, Any]]) -> Any:
-    """A state_dict's param groups and its ids of the parameters, in order, checked to
-    match ``param_groups`` in number.
-
-    Raises:
-        ValueError: not a state_dict, another group count or parameter count, named.
-    """
-    if not isinstance(state_dict, dict) or "state" not in state_dict or (
-        "param_groups" not in state_dict
-    ):
-        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-        raise ValueError(
-            f"Invalid state_dict: {got!r} (expected a dict with 'state' and 'param_groups')"
-        )
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(
-            f"Invalid state_dict: {len(saved_groups)} param groups (expected "
-            f"{len(param_groups)})"
-        )
-    saved_ids: List[Any] = []
-    for j, (saved, group) in enumerate(zip(saved_groups, param_groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(
-                f"Invalid state_dict: param group {j} holds {len(saved['params'])} "
-                f"parameters (expected {len(group['params'])})"
-            )
-        saved_ids.extend(saved["params"])
-    return saved_groups, saved_ids
