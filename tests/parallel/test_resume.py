@@ -30,8 +30,9 @@ def test_a_resume_after_the_rebuild_keeps_every_parameter_s_state(world, name, h
         assert got["warnings"] == []
 
 
-SHAPE_REFUSED = ("Invalid state[0]['exp_avg']: shape [4, 16] (expected [16, 4] for params[0] "
-                 "of shape [16, 4])")
+#: The one checker of every optimizer (distopt.saved_state), in the RPC optimizer's words.
+SHAPE_REFUSED = ("Invalid state_dict: state[0]['exp_avg'] has shape (4, 16) (expected (16, 4), "
+                 "the shape of parameter 0)")
 
 
 @pytest.mark.parametrize("source", ["None", "flat", "param"])
