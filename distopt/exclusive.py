@@ -20,7 +20,7 @@ new optimizer exist for anyone to step.
 import itertools
 import threading
 import weakref
-from typing import Any, List
+from typing import Callable, Dict, List
 
 import torch
 from torch.distributed.rpc import RRef
@@ -76,19 +76,21 @@ def script_step_with_empty(
 
 # ---------------------------------------------------------------- trainer side
 
-_instances: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+#: Key -> the trainer-side optimizer's method that switches it to the locked path, held
+#: weakly (a collected optimizer is never stepped again).
+_instances: "Dict[int, weakref.WeakMethod]" = {}
 _keys = itertools.count(1)
 _instances_lock = threading.Lock()
 
 
-def register(instance: Any) -> int:
-    """Give a trainer-side optimizer the key its owners use to reach it; held weakly.
-
-    ``instance`` must have ``_switch_to_locked(owner_name)``.
-    """
+def register(switch: Callable[[str], None]) -> int:
+    """Give a trainer-side optimizer the key its owners use to reach it: ``switch`` (a bound
+    method, held weakly) steps its local optimizer on the named owner through the locks."""
     with _instances_lock:
+        for key in [k for k, ref in _instances.items() if ref() is None]:
+            del _instances[key]
         key = next(_keys)
-        _instances[key] = instance
+        _instances[key] = weakref.WeakMethod(switch)
     return key
 
 
@@ -99,8 +101,10 @@ def switch_to_locked(key: int, owner_name: str) -> bool:
         True once the optimizer has no operation in flight and every later step to that
         owner takes the locked path; False when it was collected (it will never step again).
     """
-    instance = _instances.get(key)
-    if instance is None:
+    with _instances_lock:
+        ref = _instances.get(key)
+    switch = ref() if ref is not None else None
+    if switch is None:
         return False
-    instance._switch_to_locked(owner_name)
+    switch(owner_name)
     return True

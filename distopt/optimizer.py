@@ -151,7 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._warned_no_gradients = False
         self._owners: List[OwnerPart] = []
         # Registered before any owner hears of it: an owner may switch it mid-construction.
-        self._key = exclusive.register(self)
+        self._key = exclusive.register(self._switch_to_locked)
         me = rpc.get_worker_info()
         self._worker_id: int = me.id
         trainer = (me.name, self._key)
@@ -381,8 +381,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _switch_to_locked(self, owner_name: str) -> None:
         """Step the local optimizer on ``owner_name`` through its locks from now on.
 
-        Called by ``distopt.exclusive.switch_to_locked`` on an RPC thread; returns once no
-        operation of this optimizer is in flight.
+        Registered with ``distopt.exclusive.register``, called by its ``switch_to_locked`` on
+        an RPC thread; returns once no operation of this optimizer is in flight.
         """
         with self._lock:
             self._locked_owners.add(owner_name)

@@ -72,9 +72,16 @@ def _code_lines(source: str) -> Set[int]:
 def functions(*names: str) -> List[Function]:
     """Every function and method in the files ``names``, with its code lines (a nested
     function's lines count in its parent too), longest first."""
-    out = []
+    out: List[Function] = []
     for name in names:
-        source = read(name)
+        out += functions_in(read(name), name)
+    return sorted(out, key=lambda f: -f.code_lines)
+
+
+def functions_in(source: str, name: str = "<source>") -> List[Function]:
+    """``functions`` of one module's ``source``."""
+    out = []
+    if True:
         code = _code_lines(source)
 
         def visit(node: ast.AST, prefix: str) -> None:
@@ -90,7 +97,7 @@ def functions(*names: str) -> List[Function]:
                     visit(child, prefix)
 
         visit(ast.parse(source), "")
-    return sorted(out, key=lambda f: -f.code_lines)
+    return out
 
 
 # ------------------------------------------------------- other objects' private attributes
@@ -106,18 +113,46 @@ def _imported_names(tree: ast.AST) -> Set[str]:
     return names
 
 
-def foreign_private_accesses(name: str) -> List[str]:
+def _own_private_names(tree: ast.AST) -> Set[str]:
+    """The private names a module defines for its own objects: ``self._x = ...`` (or
+    ``cls._x``), methods and class attributes of its classes."""
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if is_private(n)}
+
+
+def foreign_private_accesses(name: str, own_module_too: bool = True) -> List[str]:
     """``"path:line obj._attr"`` for each private attribute read or written on an object
     that is not ``self``/``cls`` (nor a module: ``_torch.x`` is a module's public name; nor
-    a NamedTuple's ``_replace``). The ``_torch`` modules, whose job it is, count nothing."""
+    a NamedTuple's ``_replace``). The ``_torch`` modules, whose job it is, count nothing.
+    ``own_module_too=False``: only attributes this module does not define for its own
+    classes (``other._x`` where ``other`` is an instance of a class of this module is the
+    class's own business)."""
     if name in PRIVATE_API_MODULES:
         return []
-    tree = ast.parse(read(name))
+    return foreign_private_accesses_in(read(name), name, own_module_too)
+
+
+def foreign_private_accesses_in(source: str, name: str = "<source>",
+                                own_module_too: bool = True) -> List[str]:
+    """``foreign_private_accesses`` of one module's ``source``."""
+    tree = ast.parse(source)
     modules = _imported_names(tree)
+    own = set() if own_module_too else _own_private_names(tree)
     out = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and is_private(node.attr)) \
-                or node.attr in ("_replace", "_asdict", "_fields", "_make"):
+                or node.attr in ("_replace", "_asdict", "_fields", "_make") or node.attr in own:
             continue
         value = node.value
         if isinstance(value, ast.Name) and (value.id in ("self", "cls") or value.id in modules):
@@ -179,14 +214,13 @@ ANYWHERE = re.compile(r"_(foreach|fused)_\w*|_values|_indices|_nnz|_step_support
                       r"|_replace|_asdict|_fields|_make")
 
 
-def private_torch_names(name: str, ours: Set[str]) -> List[str]:
-    """``"line: what"`` for each private torch name the file ``name`` uses: a private name
+def private_torch_names(source: str, ours: Set[str]) -> List[str]:
+    """``"line: what"`` for each private torch name ``source`` uses: a private name
     reached from a torch module (``torch._C``, ``dist._x``, ``import torch._jit_internal``,
     ``getattr(torch._C, "_x")``), a private name mentioned in a comment or docstring as
     reached from torch (``torch.profiler._ExperimentalConfig``), and any private attribute
     (``opt._join_config``, ``p._base``) or ``getattr`` name that the project's own source
     (``ours``) never defines: a private name nobody here defined is someone else's."""
-    source = read(name)
     tree = ast.parse(source)
     torch_names: Dict[str, str] = {}
     found: List[Tuple[int, str]] = []
@@ -231,6 +265,11 @@ def private_torch_names(name: str, ours: Set[str]) -> List[str]:
     return [f"{line}: {what}" for line, what in sorted(set(found))]
 
 
+def our_private_names() -> Set[str]:
+    """Every private name the project's source defines for itself (``_defined_names``)."""
+    return _defined_names(sources())
+
+
 def private_torch_uses() -> Dict[str, List[str]]:
     """File -> its private torch names, for every file outside the two ``_torch`` modules."""
     names = sources()
@@ -239,7 +278,7 @@ def private_torch_uses() -> Dict[str, List[str]]:
     for name in names:
         if name in PRIVATE_API_MODULES:
             continue
-        uses = private_torch_names(name, ours)
+        uses = private_torch_names(read(name), ours)
         if uses:
             out[name] = uses
     return out
@@ -285,15 +324,18 @@ def duplicate_pairs(folder: str = "distopt") -> str:
 def main() -> None:
     parallel = functions(*sources("distopt/parallel"))
     accesses = [a for name in sources("distopt") for a in foreign_private_accesses(name)]
+    across = [a for name in sources("distopt")
+              for a in foreign_private_accesses(name, own_module_too=False)]
     torch_uses = private_torch_uses()
     print("measuring a live DataParallelOptimizer (one rank, gloo) ...", flush=True)
     mro, attrs, names = live_figures()
-    print(f"| figure | value |\n|---|---|")
+    print("| figure | value |\n|---|---|")
     print(f"| longest function in distopt/parallel (code lines) | {parallel[0].code_lines} "
           f"({parallel[0].where}) |")
     over = [f for f in parallel if f.code_lines > 60]
     print(f"| functions in distopt/parallel over 60 code lines | {len(over)} |")
     print(f"| accesses to another object's private attributes in distopt/ | {len(accesses)} |")
+    print(f"| ... of attributes another module defines | {len(across)} |")
     print(f"| distopt classes in DataParallelOptimizer's MRO | {mro} |")
     print(f"| instance attributes of a live DataParallelOptimizer | {attrs} |")
     print(f"| modules using private torch names outside the _torch modules | "

@@ -12,7 +12,7 @@ it.
 
 ``Bucket`` is the one interface every compression scheme reduces, for the optimizer and for
 DDP's communication hook alike; torch's ``GradBucket`` meets it here only: a DDP bucket is
-copied into a ``Bucket`` (``Bucket.of_ddp``, ``ddp_layout``), and ``GradBucketView`` shows
+copied into a ``Bucket`` (``Bucket.of_ddp``, ``ddp_buffer``), and ``GradBucketView`` shows
 torch's hooks (PowerSGD) a ``Bucket`` through ``GradBucket``'s six methods.
 """
 import itertools
@@ -105,7 +105,7 @@ class Bucket:
                 f"embeddings with sparse=False)"
             )
         bucket = cls(index, list(params), list(range(len(params))))
-        expected = bucket.ddp_layout()
+        expected = bucket.ddp_buffer()
         if expected.numel() != ddp_buffer.numel() or expected.dtype != ddp_buffer.dtype:
             raise RuntimeError(
                 f"Invalid DDP bucket {index}: its buffer holds {ddp_buffer.numel()} "
@@ -119,7 +119,7 @@ class Bucket:
         bucket.used = [True] * len(params)
         return bucket
 
-    def ddp_layout(self) -> Tensor:
+    def ddp_buffer(self) -> Tensor:
         """The gradient part of the buffer as DDP's bucket holds it: complex gradients as
         their real and imaginary parts (DDP's buffer of complex parameters is real)."""
         grads = self.buffer[:self.numel]

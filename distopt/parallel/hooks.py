@@ -22,7 +22,7 @@ completes the future DDP waits for at the end of backward; it issues no collecti
 import logging
 import queue
 import threading
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -181,7 +181,7 @@ class CompressionHookState:
         index = grad_bucket.index()
         ddp_buffer = grad_bucket.buffer()
         bucket = self._bucket(index, grad_bucket.parameters(), ddp_buffer)
-        bucket.ddp_layout().copy_(ddp_buffer)
+        bucket.ddp_buffer().copy_(ddp_buffer)
         if self._tracked is not None:
             bucket.used = [id(p) in self._used or id(p) not in self._tracked
                            for p in bucket.params]
@@ -325,7 +325,7 @@ def _finish_in_order(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
             continue
         # A view at storage offset 0: DDP reads its parameters' gradients from the value
         # with as_strided at their offsets in the bucket.
-        job.future.set_result(bucket.ddp_layout())
+        job.future.set_result(bucket.ddp_buffer())
 
 
 def _then(done: Any, then: Callable[[Bucket], None], bucket: Bucket, where: _Where) -> Tensor:
@@ -473,17 +473,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # torch.optim's own checks and defaults (the step is the compiled one).
         become_torch_optimizer(self, optimizer_class, groups, args, kwargs)
         reduced = _reduced_by(ddp_model)
-        reduced_ids = {id(p) for _, p in reduced}
-        for j, g in enumerate(self.param_groups):  # tensors: torch.optim checked them
-            for k, p in enumerate(g["params"]):
-                if id(p) not in reduced_ids:
-                    why = ("has requires_grad=False" if not p.requires_grad else
-                           "is not one DDP reduces (not in ddp_model.module, or ignored)")
-                    raise ValueError(
-                        f"Invalid params: param group {j}, parameter {k} (shape "
-                        f"{tuple(p.shape)}) {why} (expected parameters of ddp_model.module "
-                        f"that DDP averages: the hook steps only what DDP's buckets bring)"
-                    )
+        _check_reduced(self.param_groups, {id(p) for _, p in reduced})
         if isinstance(compression, Compression):  # every parameter DDP reduces goes through it
             compression.check_params(reduced)
         self.compression = compression
@@ -700,6 +690,20 @@ def optimizer_hook(
     """
     return OptimizerInBackward(ddp_model, optimizer_class, params, *args,
                                compression=compression, **kwargs)
+
+
+def _check_reduced(param_groups: List[Dict[str, Any]], reduced: Set[int]) -> None:
+    """Refuse a parameter DDP does not reduce (``reduced``: their ids), naming it."""
+    for j, g in enumerate(param_groups):  # tensors: torch.optim checked them
+        for k, p in enumerate(g["params"]):
+            if id(p) not in reduced:
+                why = ("has requires_grad=False" if not p.requires_grad else
+                       "is not one DDP reduces (not in ddp_model.module, or ignored)")
+                raise ValueError(
+                    f"Invalid params: param group {j}, parameter {k} (shape "
+                    f"{tuple(p.shape)}) {why} (expected parameters of ddp_model.module "
+                    f"that DDP averages: the hook steps only what DDP's buckets bring)"
+                )
 
 
 def _reduced_by(ddp_model: DistributedDataParallel) -> List[Tuple[str, Tensor]]:
