@@ -49,7 +49,7 @@ from distopt import state
 from distopt.saved_state import check_saved_entry, check_saved_groups
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
-from distopt.layout import Layout
+from distopt.placement import Placement
 # crc32_of and write_atomic: also this module's names for tests and examples.
 from distopt.manifest import MANIFEST, check_crc32, check_file, check_name, crc32_of, write_atomic
 from distopt.param_groups import TrainerGroups
@@ -73,12 +73,12 @@ def _hook(stage: str, path: str) -> None:
 # ---------------------------------------------------------------- trainer side
 
 
-def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str,
+def save(placement: Placement, param_groups: List[Dict[str, Any]], path: str,
          extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Write the state into the directory ``path``: shards in parallel, then the manifest.
 
     Args:
-        layout: the optimizer's owners and parameters.
+        placement: the optimizer's owners and parameters.
         param_groups: the trainer's param groups.
         path: a directory (created if missing) on a filesystem every owner shares.
         extra: what else the manifest records (JSON), for the optimizer's ``load`` to
@@ -97,7 +97,7 @@ def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str,
     path = os.path.abspath(path)
     groups = [
         _encode(g, f"param_groups[{i}]")
-        for i, g in enumerate(state.group_dicts(layout, param_groups))
+        for i, g in enumerate(state.group_dicts(placement, param_groups))
     ]
     os.makedirs(path, exist_ok=True)
     generation = _manifest.new_generation()
@@ -106,7 +106,7 @@ def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str,
             part.info, write_shard, (part.rref, path, _shard_name(generation, k, part.name),
                                      generation),
         )
-        for k, part in enumerate(layout.owners)
+        for k, part in enumerate(placement.owners)
     }
     try:
         written = fan_out("save", calls)
@@ -115,11 +115,11 @@ def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str,
             "format": FORMAT,
             "version": VERSION,
             "generation": generation,
-            "optimizer_class": _class_name(layout.optimizer_class),
+            "optimizer_class": _class_name(placement.optimizer_class),
             "param_groups": groups,
             "params": [
                 {"shape": list(shape), "dtype": str(dtype).replace("torch.", "")}
-                for shape, dtype in zip(layout.param_shapes, layout.param_dtypes)
+                for shape, dtype in zip(placement.param_shapes, placement.param_dtypes)
             ],
             "shards": [{"owner": name, **info} for name, info in written.items()],
             **(extra or {}),
@@ -132,12 +132,12 @@ def save(layout: Layout, param_groups: List[Dict[str, Any]], path: str,
         raise
     _manifest.prune(path, lambda name: _generation_of(name) not in (None, generation))
     logger.info(
-        "saved %s shard(s) of %s into %s", len(written), layout.optimizer_class.__name__, path
+        "saved %s shard(s) of %s into %s", len(written), placement.optimizer_class.__name__, path
     )
     return manifest
 
 
-def load(layout: Layout, trainer: TrainerGroups, path: str,
+def load(placement: Placement, trainer: TrainerGroups, path: str,
          check: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
     """Restore the checkpoint in ``path``.
 
@@ -146,7 +146,7 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
     all have succeeded does any owner change its state, and the trainer its param groups.
 
     Args:
-        layout: the optimizer's owners and parameters.
+        placement: the optimizer's owners and parameters.
         trainer: the trainer's param groups and the values its owners hold.
         path: the checkpoint directory.
         check: called with the manifest before any owner reads its part; raises
@@ -160,7 +160,7 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
     """
     path = os.path.abspath(path)
     manifest = _manifest.read(path, FORMAT, VERSION, "DistributedOptimizer.save")
-    expected_class = _class_name(layout.optimizer_class)
+    expected_class = _class_name(placement.optimizer_class)
     if manifest["optimizer_class"] != expected_class:
         raise ValueError(
             f"Invalid checkpoint: written by a {manifest['optimizer_class']} optimizer "
@@ -169,19 +169,19 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
     if check is not None:  # first: a caller's record explains a count or shape that differs
         check(manifest)
     groups = [_decode(g) for g in manifest["param_groups"]]
-    id_map = check_saved_groups(state.spec_of(layout, trainer), groups, what="checkpoint")
+    id_map = check_saved_groups(state.spec_of(placement, trainer), groups, what="checkpoint")
     saved_params = manifest["params"]
-    if len(saved_params) != len(layout.param_shapes):
+    if len(saved_params) != len(placement.param_shapes):
         raise ValueError(
             f"Invalid checkpoint: {len(saved_params)} parameters (expected "
-            f"{len(layout.param_shapes)})"
+            f"{len(placement.param_shapes)})"
         )
     for saved_id, i in id_map.items():
         shape = tuple(saved_params[saved_id]["shape"])
-        if shape != tuple(layout.param_shapes[i]):
+        if shape != tuple(placement.param_shapes[i]):
             raise ValueError(
                 f"Invalid checkpoint: parameter {i} has shape {shape} (expected "
-                f"{tuple(layout.param_shapes[i])})"
+                f"{tuple(placement.param_shapes[i])})"
             )
     shards = _checked_shards(path, manifest, len(saved_params))
     file_of = {i: shard["file"] for shard in shards for i in shard["params"]}
@@ -189,7 +189,7 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
     saved_id_of = {i: saved_id for saved_id, i in id_map.items()}
     token = uuid.uuid4().hex
     stage_calls = {}
-    for part in layout.owners:
+    for part in placement.owners:
         wanted = {saved_id_of[i]: i for indices in part.indices for i in indices}
         files = sorted({file_of[s] for s in wanted if s in file_of})
         stage_calls[part.name] = (
@@ -198,7 +198,7 @@ def load(layout: Layout, trainer: TrainerGroups, path: str,
              {name: expected[name] for name in files}),
         )
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    state.stage_and_commit(layout, trainer, "load", stage_calls, token, hyper)
+    state.stage_and_commit(placement, trainer, "load", stage_calls, token, hyper)
 
 
 def _checked_shards(path: str, manifest: Dict[str, Any], count: int) -> List[Dict[str, Any]]:

@@ -19,7 +19,7 @@ from torch import Tensor
 from distopt.context import check_context_id, has_context
 from distopt.errors import returns_failure
 from distopt.fanout import fan_out
-from distopt.layout import OwnerPart
+from distopt.placement import OwnerPart
 from functional._compile import script
 from functional._flat import layout
 

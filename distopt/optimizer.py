@@ -1,6 +1,6 @@
 """The trainer's side: DistributedOptimizer groups parameters by owner and fans steps out.
 
-It holds what it learnt at construction in a ``distopt.layout.Layout`` and hands that, with
+It holds what it learnt at construction in a ``distopt.placement.Placement`` and hands that, with
 its param groups, to the modules that run its other rounds (``distopt.state``,
 ``distopt.checkpoint``, ``distopt.clipping``), which never import this one.
 """
@@ -20,7 +20,7 @@ from distopt.arguments import check_arguments, check_optimizer_class, class_then
 from distopt.context import live_context
 from distopt.errors import DistributedOptimizerError, compose_error
 from distopt.fanout import Call, fan_out
-from distopt.layout import Layout, OwnerPart
+from distopt.placement import OwnerPart, Placement
 from distopt.param_groups import (
     TrainerGroups,
     as_keywords,
@@ -223,7 +223,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     part.script = None
             self._owners = owners
         self.remote_optimizers: List[rpc.RRef] = [part.rref for part in self._owners]
-        self._layout = Layout(
+        self._placement = Placement(
             optimizer_class=optimizer_class,
             owners=self._owners,
             group_indices=group_indices,
@@ -249,16 +249,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.defaults = eager_defaults
         else:
             self.defaults = signature_defaults(
-                optimizer_class, args, kwargs, self._layout.hyper_keys
+                optimizer_class, args, kwargs, self._placement.hyper_keys
             ) or {k: v for k, v in described[0].items() if k not in user_groups[0]}
         #: For each group, the hyper-parameter values the owners have.
         self._sent: List[Dict[str, Any]] = [
-            {k: snapshot(group[k]) for k in self._layout.hyper_keys}
+            {k: snapshot(group[k]) for k in self._placement.hyper_keys}
             for group in self.param_groups
         ]
         #: What ``param_groups`` must keep: the owners' optimizers are built from it once.
         self._built = built_groups(
-            type(self).__name__, self.param_groups, self._layout.hyper_keys, optimizer_class
+            type(self).__name__, self.param_groups, self._placement.hyper_keys, optimizer_class
         )
 
     def _init_optimizer_fields(self) -> None:
@@ -305,7 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             context_id, context = live_context(context_id)
             self._before_step(context_id)
             changes = pending_changes(
-                self.param_groups, self._sent, self._layout.settable, self.optimizer_class.__name__
+                self.param_groups, self._sent, self._placement.settable, self.optimizer_class.__name__
             )
             empty_params = self._empty_gradient_params(context_id)
             reached: Optional[Set[int]] = None
@@ -425,7 +425,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with self._lock:
             check_groups(self.param_groups, self._built)
             return state_dict_with_hooks(
-                self, lambda: state.gather_state_dict(self._layout, self.param_groups)
+                self, lambda: state.gather_state_dict(self._placement, self.param_groups)
             )
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -451,7 +451,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_groups(self.param_groups, self._built)
             load_state_dict_with_hooks(
                 self, state_dict,
-                lambda sd: state.load_state_dict(self._layout, self._trainer_groups(), sd),
+                lambda sd: state.load_state_dict(self._placement, self._trainer_groups(), sd),
             )
 
     def save(self, path: str) -> Dict[str, Any]:
@@ -462,13 +462,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             check_groups(self.param_groups, self._built)
-            return checkpoint.save(self._layout, self.param_groups, path)
+            return checkpoint.save(self._placement, self.param_groups, path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save``; see :mod:`distopt.checkpoint`."""
         with self._lock:
             check_groups(self.param_groups, self._built)
-            checkpoint.load(self._layout, self._trainer_groups(), path)
+            checkpoint.load(self._placement, self._trainer_groups(), path)
 
     def clip_grad_norm_(
         self,
@@ -506,10 +506,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _trainer_groups(self) -> TrainerGroups:
         """The param groups and the values the owners hold, for a round that loads state."""
-        layout = self._layout
+        placement = self._placement
         # A saved group must hold every key the owners' optimizers keep: for an eager one,
         # every key of its defaults.
-        required = layout.hyper_keys if layout.compiled else list(self.defaults)
+        required = placement.hyper_keys if placement.compiled else list(self.defaults)
         return TrainerGroups(self.param_groups, self._sent, required)
 
 

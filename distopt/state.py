@@ -3,7 +3,7 @@
 The trainer holds no optimizer state. ``gather_state_dict`` asks every owner, in parallel,
 for its parameters' state (already keyed by the trainer's global parameter indices) and
 adds the trainer's ``param_groups``. ``load_state_dict`` checks everything against what
-the trainer learnt at construction (its ``distopt.layout.Layout``: group keys, parameter
+the trainer learnt at construction (its ``distopt.placement.Placement``: group keys, parameter
 counts, shapes), then has every owner check its part against its optimizer (keys, shapes,
 dtypes, devices: ``stage``) before any owner changes (``commit``);
 ``distopt.checkpoint.load`` uses the same two rounds.
@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 
 from distopt.errors import DistributedOptimizerError, returns_failure
 from distopt.fanout import fan_out
-from distopt.layout import Layout
+from distopt.placement import Placement
 from distopt.param_groups import TrainerGroups, snapshot
 from distopt.saved_state import SavedStateSpec, check_state_dict
 from functional._state import IMPLEMENTATION_KEYS
@@ -26,62 +26,62 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------- trainer side
 
 
-def gather_state_dict(layout: Layout, param_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
+def gather_state_dict(placement: Placement, param_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The state in torch.optim's format; one RPC per owner, all in parallel.
 
     Args:
-        layout: the optimizer's owners and parameters.
+        placement: the optimizer's owners and parameters.
         param_groups: the trainer's param groups.
     """
     parts = fan_out(
         "state_dict",
-        {part.name: (part.info, local_state, (part.rref,)) for part in layout.owners},
+        {part.name: (part.info, local_state, (part.rref,)) for part in placement.owners},
     )
     merged: Dict[int, Dict[str, Any]] = {}
     for entries in parts.values():
         merged.update(entries)
     return {
         "state": {i: merged[i] for i in sorted(merged)},
-        "param_groups": group_dicts(layout, param_groups),
+        "param_groups": group_dicts(placement, param_groups),
     }
 
 
-def group_dicts(layout: Layout, param_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def group_dicts(placement: Placement, param_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The trainer's param groups as a state_dict holds them: parameters as global indices."""
     return [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(indices)}
-        for group, indices in zip(param_groups, layout.group_indices)
+        for group, indices in zip(param_groups, placement.group_indices)
     ]
 
 
-def spec_of(layout: Layout, trainer: TrainerGroups) -> SavedStateSpec:
+def spec_of(placement: Placement, trainer: TrainerGroups) -> SavedStateSpec:
     """What a saved state must fit to load into a DistributedOptimizer."""
-    return SavedStateSpec(layout.optimizer_class, layout.group_indices, layout.param_shapes,
-                          layout.hyper_keys, layout.settable, trainer.sent, trainer.required,
-                          layout.compiled)
+    return SavedStateSpec(placement.optimizer_class, placement.group_indices, placement.param_shapes,
+                          placement.hyper_keys, placement.settable, trainer.sent, trainer.required,
+                          placement.compiled)
 
 
-def load_state_dict(layout: Layout, trainer: TrainerGroups, state_dict: Dict[str, Any]) -> None:
+def load_state_dict(placement: Placement, trainer: TrainerGroups, state_dict: Dict[str, Any]) -> None:
     """Check ``state_dict`` whole on the trainer, then send each owner its part in parallel.
 
     Args:
-        layout: the optimizer's owners and parameters.
+        placement: the optimizer's owners and parameters.
         trainer: the trainer's param groups and the values its owners hold; replaced by the
             loaded ones once every owner has loaded its part.
         state_dict: torch.optim's format.
     """
-    checked = check_state_dict(spec_of(layout, trainer), state_dict)
+    checked = check_state_dict(spec_of(placement, trainer), state_dict)
     by_index, hyper = checked.by_index, checked.hyper
     token = uuid.uuid4().hex
     stage_calls = {}
-    for part in layout.owners:
+    for part in placement.owners:
         mine = {i: by_index[i] for indices in part.indices for i in indices if i in by_index}
         stage_calls[part.name] = (part.info, stage_local_state, (part.rref, mine, token))
-    stage_and_commit(layout, trainer, "load_state_dict", stage_calls, token, hyper)
+    stage_and_commit(placement, trainer, "load_state_dict", stage_calls, token, hyper)
 
 
 def stage_and_commit(
-    layout: Layout,
+    placement: Placement,
     trainer: TrainerGroups,
     action: str,
     stage_calls: Dict[str, Any],
@@ -95,7 +95,7 @@ def stage_and_commit(
     state and hyper-parameters with it, and the trainer adopt ``hyper``.
 
     Args:
-        layout: the optimizer's owners and parameters.
+        placement: the optimizer's owners and parameters.
         trainer: the trainer's param groups and the values its owners hold.
         action: the round's name, for messages.
         stage_calls: worker name -> the owner's staging call.
@@ -109,7 +109,7 @@ def stage_and_commit(
     try:
         fan_out(action, stage_calls)
     except DistributedOptimizerError:
-        _discard(layout, action, token)
+        _discard(placement, action, token)
         raise
     fan_out(
         action,
@@ -117,23 +117,23 @@ def stage_and_commit(
             part.name: (
                 part.info, commit_staged, (part.rref, token, [hyper[g] for g in part.groups])
             )
-            for part in layout.owners
+            for part in placement.owners
         },
     )
-    adopt_groups(layout, trainer, hyper)
+    adopt_groups(placement, trainer, hyper)
 
 
-def _discard(layout: Layout, action: str, token: str) -> None:
+def _discard(placement: Placement, action: str, token: str) -> None:
     try:
         fan_out(
             action,
-            {part.name: (part.info, discard_staged, (part.rref, token)) for part in layout.owners},
+            {part.name: (part.info, discard_staged, (part.rref, token)) for part in placement.owners},
         )
     except DistributedOptimizerError as exc:
         logger.warning("could not discard a staged state: %s", exc)
 
 
-def adopt_groups(layout: Layout, trainer: TrainerGroups, hyper: List[Dict[str, Any]]) -> None:
+def adopt_groups(placement: Placement, trainer: TrainerGroups, hyper: List[Dict[str, Any]]) -> None:
     """Make the trainer's groups the loaded ones (in place, so schedulers keep them); a
     compiled optimizer keeps its own kernel choices (``IMPLEMENTATION_KEYS``)."""
     for g, (group, values) in enumerate(zip(trainer.param_groups, hyper)):
@@ -141,10 +141,10 @@ def adopt_groups(layout: Layout, trainer: TrainerGroups, hyper: List[Dict[str, A
         kept = {k: group[k] for k in IMPLEMENTATION_KEYS if k in group}
         group.clear()
         group.update(values)
-        if layout.compiled:
+        if placement.compiled:
             group.update(kept)
         group["params"] = params
-        trainer.sent[g] = {k: snapshot(group[k]) for k in layout.hyper_keys if k in group}
+        trainer.sent[g] = {k: snapshot(group[k]) for k in placement.hyper_keys if k in group}
 
 
 # ---------------------------------------------------------------- owner side

@@ -246,7 +246,7 @@ class _SparseOptimizer(DistributedOptimizer):
         (see ``state_dict``)."""
         with self._lock:
             check_groups(self.param_groups, self._built)
-            return checkpoint.save(self._layout, self.param_groups, path,
+            return checkpoint.save(self._placement, self.param_groups, path,
                                    extra={"partitions": self._partitions()})
 
     def load(self, path: str) -> None:
@@ -259,7 +259,7 @@ class _SparseOptimizer(DistributedOptimizer):
         """
         with self._lock:
             check_groups(self.param_groups, self._built)
-            checkpoint.load(self._layout, self._trainer_groups(), path, check=lambda manifest:
+            checkpoint.load(self._placement, self._trainer_groups(), path, check=lambda manifest:
                             self._check_partitions(manifest.get("partitions"),
                                                    f"checkpoint {os.path.abspath(path)!r}"))
 

@@ -1,6 +1,7 @@
-"""What a trainer knows about its owners once they have built their local optimizers.
+"""Where a DistributedOptimizer's parameters are: what a trainer knows about its owners once
+they have built their local optimizers.
 
-A ``DistributedOptimizer`` builds one ``Layout`` at construction and passes it, with its
+A ``DistributedOptimizer`` builds one ``Placement`` at construction and passes it, with its
 param groups (``distopt.param_groups.TrainerGroups``), to the modules that run its other
 rounds (``distopt.state``, ``distopt.checkpoint``, ``distopt.clipping``): they take what
 they need from these, never from the optimizer's own fields, and never import it.
@@ -11,7 +12,7 @@ from typing import List, Optional
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["Layout", "OwnerPart"]
+__all__ = ["Placement", "OwnerPart"]
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class OwnerPart:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Placement:
     """Where a DistributedOptimizer's parameters live and how their owners optimize them.
 
     Fixed at construction. Parameters are numbered in the order given to the optimizer,
