@@ -175,7 +175,7 @@ def check_saved_entry(
         where: the entry's key in the saved state, for messages.
         what: "state_dict" or "checkpoint", for messages.
         tensors_only: whether every value but a numeric ``step`` must be a tensor (the
-            compiled path keeps tensors only).
+            compiled path keeps tensors only); a ``step`` is a tensor or a number always.
 
     Raises:
         ValueError: naming the entry, when it is not a dict, holds a non-tensor where only
@@ -189,10 +189,12 @@ def check_saved_entry(
         if not isinstance(value, Tensor):
             is_step = key == "step" and isinstance(value, (int, float)) and not isinstance(
                 value, bool)
-            if tensors_only and not is_step:
+            if (tensors_only or key == "step") and not is_step:
+                # An eager class keeps other values too (LBFGS's counts and lists), but a
+                # step count is a number wherever it is not a tensor.
                 raise ValueError(
                     f"Invalid {what}: state[{where}][{key!r}] is {type(value).__name__} "
-                    f"(expected a Tensor)"
+                    f"(expected a Tensor{' or a number' if key == 'step' else ''})"
                 )
             continue
         if (

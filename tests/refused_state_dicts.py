@@ -114,6 +114,9 @@ REFUSED: Dict[str, Refused] = {
     "int-buffer": Refused(
         "Adam", _set(_state(3), "exp_avg", lambda old: old.to(torch.int64)),
         r"Invalid state\[3\]\['exp_avg'\]: dtype torch.int64 \(expected torch.float32"),
+    "step-as-text": Refused(
+        "Adam", _set(_state(3), "step", lambda _: "3"),
+        r"state\[3\]\['step'\] is str \(expected a Tensor or a number\)"),
     "vector-step": Refused(
         "Adam", _set(_state(3), "step", lambda _: torch.tensor([2.0])),
         r"Invalid state\[3\]\['step'\]: shape \[1\] \(expected \[\]"),

@@ -96,7 +96,9 @@ class DataParallelEngine:
 
     Args:
         surface: the optimizer, held weakly: its ``param_groups``, ``state`` and hooks are
-            the torch.optim surface this engine steps under.
+            the torch.optim surface this engine steps under. When it is freed, its
+            finalizers stop the reducer and remove the hooks, and the engine counts as
+            closed, though something (a traceback's frames) may still hold the engine.
         options: the checked options.
         eager: the torch.optim optimizer that steps an eager class, else None.
         groups: the param groups as given (each group's options as the user wrote them).
@@ -108,7 +110,7 @@ class DataParallelEngine:
     def __init__(self, surface: Any, options: Options, eager: Optional[torch.optim.Optimizer],
                  groups: List[Dict[str, Any]], args: Any, kwargs: Dict[str, Any],
                  outside: List[Tensor]) -> None:
-        self.surface = weakref.proxy(surface)
+        self._surface = weakref.ref(surface)
         self.name = type(surface).__name__
         self.options = options
         (self.process_group, self.rank, self.world_size, self.compression, self.sync,
@@ -183,6 +185,7 @@ class DataParallelEngine:
             self.reducer = self._new_reducer(record=self.options.rebuild_buckets)
         self.status.rebuild_pending = self.options.rebuild_buckets and self.reducer is not None
         all_params = [p for g in self.param_groups for p in g["params"]]
+        weakref.finalize(self.surface, _freed, self.status)
         teardown.claim(all_params, self)
         _wrapped.register(self)  # a DDP built over these parameters later is refused
         if self.reducer is not None:
@@ -195,7 +198,8 @@ class DataParallelEngine:
             call = teardown.weak_call(self.before_forward)
             self.forward_hook = self.module.register_forward_pre_hook(
                 _outside_graphs(lambda _m, _a: call()))
-            weakref.finalize(self, self.forward_hook.remove)
+            # On the optimizer: an engine kept alive by a traceback stops forwarding too.
+            weakref.finalize(self.surface, self.forward_hook.remove)
         _join.register(self)
         #: What each trained parameter was at construction (``check_params_unchanged``).
         self.param_records = [(i, p, p.dtype, p.device, p.shape, p.stride())
@@ -227,11 +231,23 @@ class DataParallelEngine:
             self.backward_passes_per_step, self, gathers, record_arrival=record)
 
     def _watch(self) -> None:
-        """Dropped without close(): stop the threads, retire the private group."""
+        """The optimizer dropped without close(): stop the threads, retire the private
+        group, and count as closed (an engine a traceback still holds does nothing more)."""
         private = self.comm_group if self.comm_group is not self.process_group else None
-        self.dropped = teardown.on_drop(self, _abandon, self.reducer, private)
+        self.dropped = teardown.on_drop(self.surface, _abandon, self.reducer, private,
+                                        self.status)
 
     # ------------------------------------------------------------ the surface's
+
+    @property
+    def surface(self) -> Any:
+        """The optimizer itself (RuntimeError once it has been freed)."""
+        surface = self._surface()
+        if surface is None:
+            raise RuntimeError(
+                f"Invalid use of a freed {self.name}: its engine outlived it (held by a "
+                f"traceback, say), and it is closed (expected a live optimizer)")
+        return surface
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -738,8 +754,14 @@ def _outside_graphs(hook: Any) -> Any:
         return torch.compiler.disable(hook)
 
 
-def _abandon(reducer: GradientReducer, private_group: Any) -> None:
+def _freed(status: StepStatus) -> None:
+    """The optimizer was freed: its engine, if something still holds it, is closed."""
+    status.closed = True
+
+
+def _abandon(reducer: GradientReducer, private_group: Any, status: StepStatus) -> None:
     """An optimizer was freed without ``close()``: stop its threads, retire its group."""
+    status.closed = True
     reducer.close(0.0)
     if private_group is not None and reducer.failed is None:
         teardown.retire(private_group)

@@ -150,7 +150,7 @@ def take_over(params: List[Any]) -> None:
             f"DataParallelOptimizer: parameters {taken[:10]}{'...' if len(taken) > 10 else ''}"
             f" belonged to another DataParallelOptimizer, which is now closed (its step() "
             f"raises); close() it before building a new one over the same parameters",
-            stacklevel=3,
+            stacklevel=5,  # the user's line: DataParallelOptimizer, its engine, _cut, here
         )
         opt.close()
 

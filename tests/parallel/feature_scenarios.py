@@ -1487,3 +1487,49 @@ def ddp_and_optimizer(rank: int, world_size: int) -> Dict[str, Any]:
     opt.close()
     del tied_ddp, delayed_ddp, frozen_ddp
     return out
+
+
+def freed_while_an_error_holds_its_engine(rank: int, world_size: int) -> Dict[str, Any]:
+    """A refused backward pass kept as an exception (a notebook's ``sys.last_value``) holds
+    the engine's frames; the optimizer is then dropped. The model must train on without it
+    (forward with its buffers, backward), and DDP may wrap it, as once the optimizer is gone.
+    Also where the warning of a newer optimizer over the same parameters points."""
+    import gc
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    x = torch.randn(8, 4) + rank
+    opt = DataParallelOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01, module=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        newer = DataParallelOptimizer(  # the line the warning must name
+            torch.optim.AdamW, model.parameters(), lr=0.01, module=model)
+    takeover = [(os.path.basename(w.filename), w.lineno) for w in caught
+                if "belonged to another" in str(w.message)]
+    del opt
+    opt = newer
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    weight_decay = opt.param_groups[0].pop("weight_decay")
+    kept = None
+    try:
+        model(x).sum().backward()
+    except ValueError as error:
+        kept = error  # its traceback holds the engine
+    opt.param_groups[0]["weight_decay"] = weight_decay
+    del opt, newer
+    gc.collect()
+    here = freed_while_an_error_holds_its_engine.__code__.co_firstlineno
+    out: Dict[str, Any] = {"refused": str(kept).split(":")[0], "takeover": takeover,
+                           "scenario_line": here}
+    loss = model(x).sum()
+    loss.backward()
+    out["trains"] = all(p.grad is not None for p in model.parameters())
+    out["wrapped"] = type(DistributedDataParallel(model)).__name__
+    del kept
+    return out

@@ -917,3 +917,17 @@ def test_one_argument_names_what_goes_where(first, given):
         f"(params), then the class's options, e.g. DataParallelOptimizer(torch.optim.AdamW, "
         f"model.parameters(), lr=1e-3)")
     assert str(inspect.signature(DataParallelOptimizer)).startswith("(optimizer_class: type, params:")
+
+
+def test_an_optimizer_freed_while_an_error_holds_its_engine_lets_the_model_go(worlds):
+    """Its hooks go with the optimizer, whatever still holds the engine: forward, backward
+    and a DDP wrapper work, with no ReferenceError. The take-over warning names the line
+    that built the newer optimizer."""
+    for out in worlds.run(scenarios.freed_while_an_error_holds_its_engine, 2):
+        assert out["refused"] == "Invalid param_groups[0]"
+        assert out["trains"] and out["wrapped"] == "DistributedDataParallel"
+        ((name, line),) = out["takeover"]
+        source = inspect.getsource(scenarios.freed_while_an_error_holds_its_engine)
+        offset = next(k for k, text in enumerate(source.splitlines())
+                      if "the line the warning must name" in text)
+        assert name == "feature_scenarios.py" and line == out["scenario_line"] + offset
