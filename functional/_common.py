@@ -276,7 +276,7 @@ def checked_state(
             if key in template:
                 expected = template[key]
             if value.dim() == 0 and expected.dim() == 0:
-                # A scalar goes where this class keeps it (``_kernels.scalar_places``): the
+                # A scalar goes where this class keeps it (``_spec.scalar_places``): the
                 # parameter's device (a template on the meta device) or the CPU.
                 place = params[i].device if expected.device.type == "meta" else expected.device
                 if value.device != place:

@@ -22,6 +22,7 @@ before compiling. The per-member work of a flat step (check each gradient and me
 the gradients into the flat gradient buffer) runs in one native op where ``functional._native``
 built it, else in the interpreter (``fill_flat_gradients``).
 """
+import enum
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +30,20 @@ from torch import Tensor
 
 from functional import _native
 from functional._compile import script
+from functional._spec import Place, StateSpec, scalar_device
 from functional._torch import chunk_cat, is_view, storage_use_count
+
+
+class GradientFill(enum.Enum):
+    """How a flat step fills a buffer's ``grad`` from its members' gradients (without the
+    native op): they lie back to back in buffer order, so one concatenation can."""
+
+    #: One ``cat`` (about 0.16 us a gradient on CPU): every member is 1-D.
+    CAT = 0
+    #: One ``_chunk_cat``, which flattens each (0.36 us) but takes no 0-dim one.
+    CHUNK_CAT = 1
+    #: ``_foreach_copy_`` into ``grad_views`` (0.45 us): some member is 0-dim.
+    COPY = 2
 
 
 @script
@@ -45,9 +59,7 @@ class FlatBuffer(object):
         grad: the flat gradient buffer (same size), filled at each flat step.
         grad_row: ``grad`` as one row (``_chunk_cat``'s output shape).
         grad_views: ``grad``'s views shaped as the members.
-        fill: how a flat step fills ``grad`` from the members' gradients: 0, one ``cat``
-            (every member 1-D); 1, one ``_chunk_cat`` (none 0-dim); 2, ``_foreach_copy_``
-            into ``grad_views``.
+        fill: how a flat step fills ``grad`` from the members' gradients (``GradientFill``).
         keys: the state keys ``state`` holds flat buffers for.
         state: state key -> flat buffer (1-D; a scalar key holds one element per member).
         seen: the optimizer's state dict at the last flat step (a new dict from
@@ -72,12 +84,12 @@ class FlatBuffer(object):
             self.grad[offsets[k]:offsets[k] + views[k].numel()].view_as(views[k])
             for k in range(len(views))
         ]
-        self.fill = 0
+        self.fill = GradientFill.CAT
         for v in views:
             if v.dim() == 0:
-                self.fill = 2
-            elif v.dim() > 1 and self.fill == 0:
-                self.fill = 1
+                self.fill = GradientFill.COPY
+            elif v.dim() > 1 and self.fill == GradientFill.CAT:
+                self.fill = GradientFill.CHUNK_CAT
         self.keys: List[str] = []
         self.state: Dict[str, Tensor] = {}
         self.seen: Dict[int, Dict[str, Tensor]] = {}
@@ -170,12 +182,9 @@ def _fill_script(f: FlatBuffer, gradients: List[Optional[Tensor]]) -> bool:
         ):
             return False
         grads.append(g)
-    # The members lie back to back in buffer order, so one concatenation fills f.grad: cat
-    # (about 0.16 us a gradient on CPU) where every member is 1-D, else _chunk_cat, which
-    # flattens each (0.36 us) but takes no 0-dim one; _foreach_copy_ costs 0.45 us.
-    if f.fill == 0:
+    if f.fill == GradientFill.CAT:
         torch.cat(grads, out=f.grad)
-    elif f.fill == 1:
+    elif f.fill == GradientFill.CHUNK_CAT:
         chunk_cat(grads, 0, 1, f.grad_row)
     else:
         torch._foreach_copy_(f.grad_views, grads)
@@ -196,18 +205,17 @@ fill_flat_gradients = _fill_native if _native.AVAILABLE else _fill_script
 def flat_operands(
     f: FlatBuffer,
     state: Dict[int, Dict[str, Tensor]],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
+    spec: StateSpec,
     pending: List[Tensor],
 ) -> List[List[Tensor]]:
-    """The operand set ``[[param], [grad], [state[key]]...]`` that steps buffer ``f`` whole
-    (its ``grad`` filled by ``flat_gradients``); an empty list when the members' state does
-    not allow it (``flat_state``).
+    """The operand set ``[[param], [grad], [state[key]]...]`` (positions named by
+    ``Operand``) that steps buffer ``f`` whole (its ``grad`` filled by ``flat_gradients``);
+    an empty list when the members' state does not allow it (``flat_state``).
 
     A scalar key's operand is the first member's element; its buffer goes to ``pending``,
     for ``spread`` to copy that element to the others after the update.
     """
+    keys = spec.keys
     # Checked at every step: the same state dict (a compiled optimizer's state changes only
     # by set_state, which replaces it), each scalar state buffer agreeing (one member's step
     # edited in place shows here), and in eager code, where the dict itself can be edited
@@ -215,15 +223,15 @@ def flat_operands(
     # holding the tensors it held.
     if not (
         f.valid and state is f.seen and f.keys == keys
-        and _scalars_agree(f, keys, scalars, False)
+        and _scalars_agree(f, spec, False)
         and (torch.jit.is_scripting() or _entries_unchanged(f, state, keys))
     ):
-        if not flat_state(f, state, keys, fills, scalars):
+        if not flat_state(f, state, spec):
             return torch.jit.annotate(List[List[Tensor]], [])
-    ops = [[f.param], [f.grad]]
+    ops = [[f.param], [f.grad]]  # Operand.PARAMS, Operand.GRADS
     for k in range(len(keys)):
         buf = f.state[keys[k]]
-        if scalars[k]:
+        if spec.places[k] != Place.PARAM_LAYOUT:
             ops.append([buf[0]])
             pending.append(buf)
         else:
@@ -231,17 +239,12 @@ def flat_operands(
     return ops
 
 
-def flat_state(
-    f: FlatBuffer,
-    state: Dict[int, Dict[str, Tensor]],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
-) -> bool:
+def flat_state(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], spec: StateSpec) -> bool:
     """Make the members' state flat, if it can be stepped whole: all members without state
     (each gets fresh entries, views of new buffers filled as ``new_state`` fills them), or
     all with every key and agreeing scalars (entries copied into new flat buffers unless
     they already view ``f.state``). Whether the buffer can step whole."""
+    keys = spec.keys
     if len(keys) == 0:
         f.valid = True
         f.keys = keys
@@ -255,19 +258,8 @@ def flat_state(
     if n_with != 0 and n_with != len(members):
         f.valid = False
         return False
-    total = f.param.numel()
-    m = len(members)
     if n_with == 0:
-        flat: Dict[str, Tensor] = {}
-        for k in range(len(keys)):
-            if scalars[k]:
-                device = f.param.device if scalars[k] == 2 else torch.device("cpu")
-                flat[keys[k]] = torch.full([m], fills[k], dtype=torch.float32, device=device)
-            else:
-                flat[keys[k]] = torch.full([total], fills[k], dtype=f.param.dtype, device=f.param.device)
-        for j in range(m):
-            state[members[j]] = _entry_views(f, flat, j, keys, scalars)
-        f.state = flat
+        f.state = _fresh_flat_state(f, state, spec)
     else:
         for i in members:
             entry = state[i]
@@ -276,22 +268,41 @@ def flat_state(
                 if key not in entry or entry[key].is_sparse:
                     f.valid = False
                     return False
-        if not (f.keys == keys and _entries_are_views(f, state, keys, scalars)):
-            flat = _copied(f, state, keys, scalars)
-            for j in range(m):
+        if not (f.keys == keys and _entries_are_views(f, state, spec)):
+            flat = _copied(f, state, spec)
+            for j in range(len(members)):
                 entry = state[members[j]]
-                views = _entry_views(f, flat, j, keys, scalars)
+                views = _entry_views(f, flat, j, spec)
                 for name in keys:
                     entry[name] = views[name]
             f.state = flat
     f.keys = keys
     f.seen = state
     f.given = [_entry_of(state[i], keys) for i in members]
-    if not _scalars_agree(f, keys, scalars, True):
-        f.valid = False
-        return False
-    f.valid = True
-    return True
+    f.valid = _scalars_agree(f, spec, True)
+    return f.valid
+
+
+def _fresh_flat_state(
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], spec: StateSpec
+) -> Dict[str, Tensor]:
+    """New flat buffers filled as ``new_state`` fills each key (a scalar key one element per
+    member, where its ``Place`` says), and every member's entry in ``state`` made of their
+    views."""
+    keys, fills, places = spec.keys, spec.fills, spec.places
+    m = len(f.members)
+    flat: Dict[str, Tensor] = {}
+    for k in range(len(keys)):
+        if places[k] != Place.PARAM_LAYOUT:
+            device = scalar_device(f.param, places[k])
+            flat[keys[k]] = torch.full([m], fills[k], dtype=torch.float32, device=device)
+        else:
+            flat[keys[k]] = torch.full(
+                [f.param.numel()], fills[k], dtype=f.param.dtype, device=f.param.device
+            )
+    for j in range(m):
+        state[f.members[j]] = _entry_views(f, flat, j, spec)
+    return flat
 
 
 def _entry_of(entry: Dict[str, Tensor], keys: List[str]) -> Dict[str, Tensor]:
@@ -319,32 +330,33 @@ def _entries_unchanged(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys:
     return True
 
 
-def _scalars_agree(f: FlatBuffer, keys: List[str], scalars: List[int], every: bool) -> bool:
+def _scalars_agree(f: FlatBuffer, spec: StateSpec, every: bool) -> bool:
     """Whether every member holds the same value of each scalar key (``step``, ...).
 
     Reading a GPU buffer is a device synchronisation (and is refused inside a CUDA graph), so
     those are compared only when ``every`` (when the flat state is built or rebuilt); on the
     CPU, at every step.
     """
-    for k in range(len(keys)):
-        if scalars[k]:
-            buf = f.state[keys[k]]
+    for k in range(len(spec.keys)):
+        if spec.places[k] != Place.PARAM_LAYOUT:
+            buf = f.state[spec.keys[k]]
             if (every or buf.device.type == "cpu") and not bool(torch.all(buf == buf[0])):
                 return False
     return True
 
 
 def _copied(
-    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[int]
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], spec: StateSpec
 ) -> Dict[str, Tensor]:
     """New flat buffers holding the members' state entries (which may be views of the
     current ones, so these are not written in place)."""
     flat: Dict[str, Tensor] = {}
-    for k in range(len(keys)):
-        if scalars[k]:
-            flat[keys[k]] = _copied_scalars(f, state, keys[k])
+    for k in range(len(spec.keys)):
+        name = spec.keys[k]
+        if spec.places[k] != Place.PARAM_LAYOUT:
+            flat[name] = _copied_scalars(f, state, name)
         else:
-            flat[keys[k]] = _copied_tensors(f, state, keys[k])
+            flat[name] = _copied_tensors(f, state, name)
     return flat
 
 
@@ -367,35 +379,37 @@ def _copied_tensors(f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], name: st
 
 
 def _entry_views(
-    f: FlatBuffer, flat: Dict[str, Tensor], j: int, keys: List[str], scalars: List[int]
+    f: FlatBuffer, flat: Dict[str, Tensor], j: int, spec: StateSpec
 ) -> Dict[str, Tensor]:
     """Member ``j``'s state entry as views of the flat buffers ``flat``."""
     v = f.views[j]
     a = f.offsets[j]
     entry: Dict[str, Tensor] = {}
-    for k in range(len(keys)):
-        buf = flat[keys[k]]
-        if scalars[k]:
-            entry[keys[k]] = buf[j]
+    for k in range(len(spec.keys)):
+        name = spec.keys[k]
+        buf = flat[name]
+        if spec.places[k] != Place.PARAM_LAYOUT:
+            entry[name] = buf[j]
         else:
-            entry[keys[k]] = buf[a:a + v.numel()].view_as(v)
+            entry[name] = buf[a:a + v.numel()].view_as(v)
     return entry
 
 
 def _entries_are_views(
-    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], keys: List[str], scalars: List[int]
+    f: FlatBuffer, state: Dict[int, Dict[str, Tensor]], spec: StateSpec
 ) -> bool:
     """Whether every member's entries are still the views of ``f.state`` it was given."""
     for j in range(len(f.members)):
         entry = state[f.members[j]]
         v = f.views[j]
         a = f.offsets[j]
-        for k in range(len(keys)):
-            buf = f.state[keys[k]]
-            if scalars[k]:
-                if not entry[keys[k]].is_set_to(buf[j]):
+        for k in range(len(spec.keys)):
+            name = spec.keys[k]
+            buf = f.state[name]
+            if spec.places[k] != Place.PARAM_LAYOUT:
+                if not entry[name].is_set_to(buf[j]):
                     return False
-            elif not entry[keys[k]].is_set_to(buf[a:a + v.numel()].view_as(v)):
+            elif not entry[name].is_set_to(buf[a:a + v.numel()].view_as(v)):
                 return False
     return True
 

@@ -27,7 +27,8 @@ Errors: bad values raise in one form, ``ValueError("Invalid gradients[3]: ... (e
 the ``RuntimeError`` refusals of a gradient kind or a complex parameter keep torch.optim's exact
 wording, for code that matches on it.
 """
-from typing import Callable, Dict, List, Optional, TypeVar, Union
+import enum
+from typing import Callable, Dict, List, NamedTuple, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -35,6 +36,8 @@ from torch import Tensor
 from functional import _native
 from functional._common import checked_state, dtype_name, layout_name, meta_params
 from functional._flat import Groups, flat_operands, split_flats, spread
+from functional._spec import Operand, Place, StateSpec, scalar_device
+from functional._torch import unscale_and_check_
 
 _F = TypeVar("_F", bound=Callable[..., None])
 
@@ -72,47 +75,22 @@ def native_op(fn: _F) -> _F:
         torch.jit.unused(fn)
     return fn
 
-from functional._torch import unscale_and_check_
 
-def scalar_places(keys: List[str], scalar_keys: List[str], on_device: bool) -> List[int]:
-    """Where ``new_state`` makes each of ``keys`` (a class's ``scalars``): 0, a tensor laid out
-    as the parameter; for ``scalar_keys`` (``step``, ``mu_product``, ...), a 0-dim float32
-    tensor, 1 on the CPU or 2 on the parameter's device.
-
-    torch.optim keeps ``step`` on the CPU, where the foreach paths read it without a device
-    synchronisation, and on the parameter's device when ``fused`` or ``capturable`` (the
-    kernel, or a CUDA graph, reads it there): ``on_device``. State therefore moves between
-    the two unchanged.
-    """
-    places: List[int] = []
-    for key in keys:
-        if key in scalar_keys:
-            places.append(2 if on_device else 1)
-        else:
-            places.append(0)
-    return places
-
-
-def scalar_device(p: Tensor, place: int) -> torch.device:
-    """The device of a 0-dim state entry of ``p`` made at ``place`` (see ``scalar_places``)."""
-    if place == 2:
-        return p.device
-    return torch.device("cpu")
-
-
-def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[int]) -> Dict[str, Tensor]:
-    """A fresh state entry for ``p``: ``keys[k]`` holds ``fills[k]``, as a 0-dim float32
-    tensor where ``scalars[k]`` says (``scalar_places``: the CPU, or ``p``'s device), else a
-    tensor laid out as ``p`` (torch.optim's ``memory_format=torch.preserve_format``).
+def new_state(p: Tensor, spec: StateSpec) -> Dict[str, Tensor]:
+    """A fresh state entry for ``p``: ``spec.keys[k]`` holds ``spec.fills[k]``, as a 0-dim
+    float32 tensor where ``spec.places[k]`` is a scalar place (the CPU, or ``p``'s device),
+    else a tensor laid out as ``p`` (torch.optim's ``memory_format=torch.preserve_format``).
 
     Also each class's template for ``check_state`` (run on a meta parameter, at no cost: a
     scalar template on the meta device stands for the parameter's device).
     """
+    keys, fills, places = spec.keys, spec.fills, spec.places
     entry: Dict[str, Tensor] = {}
     cx = p.is_complex()
     for k in range(len(keys)):
-        if scalars[k]:
-            entry[keys[k]] = torch.full((), fills[k], dtype=torch.float32, device=scalar_device(p, scalars[k]))
+        if places[k] != Place.PARAM_LAYOUT:
+            device = scalar_device(p, places[k])
+            entry[keys[k]] = torch.full((), fills[k], dtype=torch.float32, device=device)
         elif cx:
             # torch.optim fills a complex parameter's state with complex(v, v): every real
             # component of its ``view_as_real`` holds v, as a real parameter's would.
@@ -125,14 +103,10 @@ def new_state(p: Tensor, keys: List[str], fills: List[float], scalars: List[int]
 
 
 def check_spec_state(
-    params: List[Tensor],
-    state: Dict[int, Dict[str, Tensor]],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
+    params: List[Tensor], state: Dict[int, Dict[str, Tensor]], spec: StateSpec
 ) -> Dict[int, Dict[str, Tensor]]:
     """``state`` checked against the fresh state ``new_state`` would make (``checked_state``)."""
-    fresh = {i: new_state(p, keys, fills, scalars) for i, p in meta_params(params, state)}
+    fresh = {i: new_state(p, spec) for i, p in meta_params(params, state)}
     return checked_state(params, state, fresh)
 
 
@@ -145,113 +119,128 @@ def check_length(params: List[Tensor], gradients: List[Optional[Tensor]]) -> Non
         )
 
 
+class GatherRules(NamedTuple):
+    """What a class's ``gather`` makes and accepts.
+
+    Attributes:
+        spec: the state each parameter gets (``new_state``) and its operand sets carry.
+        kinds: the gradients the class takes: "dense", "sparse" or "both" (read once per
+            step).
+        refusal: the ``RuntimeError`` message for a gradient of another kind.
+        fused: the class steps on a fused kernel, so ``gather`` says where
+            ``fit_fused_layouts`` must run.
+    """
+
+    spec: StateSpec
+    kinds: str
+    refusal: str
+    fused: bool
+
+
+class GatherPass(NamedTuple):
+    """One gathering pass's results so far, filled by ``_gather_groups``.
+
+    Attributes:
+        live: the operand sets (the class's ``live`` attribute).
+        fits: per operand set, whether ``fit_fused_layouts`` must run.
+        created: the parameters given new state in this pass (removed again on a refusal).
+        sparse_ops: the one operand set of parameters with a sparse gradient (kinds "both").
+    """
+
+    live: List[List[List[Tensor]]]
+    fits: List[bool]
+    created: List[int]
+    sparse_ops: List[List[Tensor]]
+
+
 def gather(
     live: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
     groups: Groups,
     gradients: List[Optional[Tensor]],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
-    kinds: str,
-    refusal: str,
-    fused: bool,
+    rules: GatherRules,
 ) -> List[bool]:
     """Check every gradient, create missing state, and put the operands in ``live``.
 
     One pass over the parameters. ``live`` (the class's attribute, see the module note) is
     filled with one operand set per (device, dtype) group of ``groups.dense``: ``[params,
-    grads, state[keys[0]], state[keys[1]], ...]`` of the parameters whose gradient is not
-    None, plus one set of the parameters with a sparse gradient when ``kinds`` is "both".
-    ``kinds`` says which gradients the class takes: "dense", "sparse" or "both" (TorchScript
-    has no enums; a string is read once per step). A parameter without state gets
-    ``new_state(p, keys, fills, scalars)``. A flat buffer of ``groups.flats`` adds one
-    operand set of single flat tensors when it can step whole (``_flat.flat_gradients``,
+    grads, state[keys[0]], state[keys[1]], ...]`` (positions named by ``Operand``) of the
+    parameters whose gradient is not None, plus one set of the parameters with a sparse
+    gradient when ``rules.kinds`` is "both". A parameter without state gets
+    ``new_state(p, rules.spec)``. A flat buffer of ``groups.flats`` adds one operand set of
+    single flat tensors when it can step whole (``_flat.flat_gradients``,
     ``_flat.flat_operands``), else its members are gathered as a dense group; ``release``
     finishes its scalar state after the update.
 
     Returns:
         Per operand set, whether ``fit_fused_layouts`` must run before a fused kernel (only
-        computed when ``fused``: a parameter or gradient that is not contiguous).
+        computed when ``rules.fused``: a parameter or gradient that is not contiguous).
 
     Raises:
         ValueError: a gradient list of another length, or a gradient whose shape or dtype
-            differs from its parameter's. RuntimeError(``refusal``): a gradient of a kind the
-            class does not take. In either case the state made in this pass is removed
-            again, so nothing has changed.
+            differs from its parameter's. RuntimeError(``rules.refusal``): a gradient of a
+            kind the class does not take. In either case the state made in this pass is
+            removed again, so nothing has changed.
     """
     check_length(params, gradients)
     live.clear()
     groups.pending.clear()
-    fits: List[bool] = []
-    created: List[int] = []
-    todo, whole = split_flats(groups, gradients, kinds)
-    sparse_ops = new_operands(len(keys))
-    _gather_groups(
-        live, fits, params, state, todo, gradients, keys, fills, scalars, kinds, refusal,
-        fused, created, sparse_ops,
+    out = GatherPass(
+        live, torch.jit.annotate(List[bool], []), torch.jit.annotate(List[int], []),
+        new_operands(len(rules.spec.keys)),
     )
+    todo, whole = split_flats(groups, gradients, rules.kinds)
+    _gather_groups(out, params, state, gradients, todo, rules)
     # Flat buffers last: every gradient is accepted by now, so their state (made flat here)
     # never needs undoing.
     for k in range(len(whole)):
         f = whole[k]
-        ops = flat_operands(f, state, keys, fills, scalars, groups.pending)
+        ops = flat_operands(f, state, rules.spec, groups.pending)
         if len(ops) == 0:
-            _gather_groups(
-                live, fits, params, state, [f.members], gradients, keys, fills, scalars,
-                kinds, refusal, fused, created, sparse_ops,
-            )
+            _gather_groups(out, params, state, gradients, [f.members], rules)
         else:
             live.append(ops)
-            fits.append(False)
-    if kinds == "both":
-        live.append(sparse_ops)
-        fits.append(False)
-    return fits
+            out.fits.append(False)
+    if rules.kinds == "both":
+        live.append(out.sparse_ops)
+        out.fits.append(False)
+    return out.fits
 
 
 def _gather_groups(
-    live: List[List[List[Tensor]]],
-    fits: List[bool],
+    out: GatherPass,
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
-    todo: List[List[int]],
     gradients: List[Optional[Tensor]],
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
-    kinds: str,
-    refusal: str,
-    fused: bool,
-    created: List[int],
-    sparse_ops: List[List[Tensor]],
+    todo: List[List[int]],
+    rules: GatherRules,
 ) -> None:
     """``gather``'s per-parameter pass over the index groups ``todo``: one operand set each
-    into ``live`` (and its fit into ``fits``), sparse gradients into ``sparse_ops``."""
+    into ``out.live`` (and its fit into ``out.fits``), sparse gradients into
+    ``out.sparse_ops``."""
+    live, fits, created = out.live, out.fits, out.created
+    spec, refusal, fused = rules.spec, rules.refusal, rules.fused
+    keys = spec.keys
     n = len(keys)
     k0 = keys[0] if n > 0 else ""
     k1 = keys[1] if n > 1 else ""
     k2 = keys[2] if n > 2 else ""
     k3 = keys[3] if n > 3 else ""
-    # The first non-scalar state key: its entries carry the state's memory layout.
-    klay = ""
-    for k in range(n):
-        if not scalars[k] and klay == "":
-            klay = keys[k]
-    sparse_only = kinds == "sparse"
-    sparse_too = kinds == "both"
+    klay = _layout_key(spec)
+    sparse_only = rules.kinds == "sparse"
+    sparse_too = rules.kinds == "both"
     # One layout compare per gradient also refuses sparse compressed and mkldnn gradients.
     want = torch.sparse_coo if sparse_only else torch.strided
     for group in todo:
         ops = new_operands(n)
         # The lists as locals: each ops[k] in the loop would be an interpreter instruction
         # per parameter (this loop is the per-parameter cost of every step).
-        p_list, g_list = ops[0], ops[1]
-        s0 = ops[2] if n > 0 else p_list
-        s1 = ops[3] if n > 1 else p_list
-        s2 = ops[4] if n > 2 else p_list
-        s3 = ops[5] if n > 3 else p_list
+        p_list, g_list = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+        s0 = ops[Operand.STATE.value] if n > 0 else p_list
+        s1 = ops[Operand.STATE.value + 1] if n > 1 else p_list
+        s2 = ops[Operand.STATE.value + 2] if n > 2 else p_list
+        s3 = ops[Operand.STATE.value + 3] if n > 3 else p_list
         fit = False
         for i in group:
             g = gradients[i]
@@ -259,11 +248,11 @@ def _gather_groups(
                 p = params[i]
                 if not g.is_same_size(p) or g.dtype != p.dtype or g.layout != want or g.device != p.device:
                     if sparse_too and g.is_sparse and g.is_same_size(p) and g.dtype == p.dtype and g.device == p.device:
-                        _gather_one(sparse_ops, p, g, state, i, keys, fills, scalars, created)
+                        _gather_one(out, p, g, state, i, spec)
                         continue
                     refuse(state, created, i, g, p, refusal)
                 if i not in state:
-                    state[i] = new_state(p, keys, fills, scalars)
+                    state[i] = new_state(p, spec)
                     created.append(i)
                 entry = state[i]
                 p_list.append(p)
@@ -285,42 +274,51 @@ def _gather_groups(
                     )
         if len(group) > 0 and params[group[0]].is_complex():
             # A group is of one dtype (``_flat.layout``; flat buffers are never complex).
-            ops = real_views(ops, scalars)
+            ops = real_views(ops, spec.places)
         live.append(ops)
         fits.append(fit)
 
 
+def _layout_key(spec: StateSpec) -> str:
+    """The first key laid out as the parameter (its entries carry the state's memory
+    layout), or "" where there is none."""
+    for k in range(len(spec.keys)):
+        if spec.places[k] == Place.PARAM_LAYOUT:
+            return spec.keys[k]
+    return ""
+
+
 def _gather_one(
-    ops: List[List[Tensor]],
+    out: GatherPass,
     p: Tensor,
     g: Tensor,
     state: Dict[int, Dict[str, Tensor]],
     i: int,
-    keys: List[str],
-    fills: List[float],
-    scalars: List[int],
-    created: List[int],
+    spec: StateSpec,
 ) -> None:
-    """``gather``'s slow path for one parameter (a sparse gradient beside dense ones)."""
+    """``gather``'s slow path for one parameter (a sparse gradient beside dense ones) into
+    ``out.sparse_ops``."""
     if i not in state:
-        state[i] = new_state(p, keys, fills, scalars)
-        created.append(i)
+        state[i] = new_state(p, spec)
+        out.created.append(i)
     entry = state[i]
-    ops[0].append(p)
-    ops[1].append(g)
-    for k in range(len(keys)):
-        ops[k + 2].append(entry[keys[k]])
+    ops = out.sparse_ops
+    ops[Operand.PARAMS.value].append(p)
+    ops[Operand.GRADS.value].append(g)
+    for k in range(len(spec.keys)):
+        ops[Operand.STATE.value + k].append(entry[spec.keys[k]])
 
 
-def real_views(ops: List[List[Tensor]], scalars: List[int]) -> List[List[Tensor]]:
+def real_views(ops: List[List[Tensor]], places: List[Place]) -> List[List[Tensor]]:
     """An operand set ``[params, grads, state[keys[0]], ...]`` of complex parameters with
     every complex tensor as its ``view_as_real`` view (a conjugate's resolved first): the
     kernels take real tensors only, and torch.optim steps a complex parameter's real and
-    imaginary parts as real elements. The scalar state (``scalars[k]``: ``step``, ...) is
-    real already. The state itself stays complex, as torch.optim keeps it."""
+    imaginary parts as real elements. The scalar state (a scalar ``places[k]``: ``step``,
+    ...) is real already. The state itself stays complex, as torch.optim keeps it."""
     out: List[List[Tensor]] = []
     for k in range(len(ops)):
-        if k >= 2 and scalars[k - 2]:
+        state_k = k - Operand.STATE.value
+        if state_k >= 0 and places[state_k] != Place.PARAM_LAYOUT:
             out.append(ops[k])
         else:
             out.append([torch.view_as_real(t.resolve_conj()) for t in ops[k]])
@@ -328,8 +326,8 @@ def real_views(ops: List[List[Tensor]], scalars: List[int]) -> List[List[Tensor]
 
 
 def new_operands(n: int) -> List[List[Tensor]]:
-    """``n + 2`` empty lists: params, grads and one per state key."""
-    return [torch.jit.annotate(List[Tensor], []) for _ in range(n + 2)]
+    """An empty operand set: lists for params, grads and ``n`` state keys."""
+    return [torch.jit.annotate(List[Tensor], []) for _ in range(Operand.STATE.value + n)]
 
 
 def refuse(
@@ -445,24 +443,35 @@ def unscale_gradients(
     return bool(found_inf.item() != 0.0)
 
 
+class ScaledRoute(enum.Enum):
+    """How a class's ``step_scaled`` steps under a ``GradScaler`` (``scaled_route``)."""
+
+    #: Its plain update: no scaler, or the gradients unscaled in place without an inf.
+    PLAIN = 0
+    #: No update at all: an inf or NaN, as torch.optim's step is then not called.
+    SKIP = 1
+    #: Its fused kernel, given ``grad_scale`` and ``found_inf``, as torch.optim's fused
+    #: classes are given them.
+    FUSED = 2
+
+
 def scaled_route(
     gradients: List[Optional[Tensor]],
     grad_scale: Optional[Tensor],
     found_inf: Optional[Tensor],
     fused: bool,
-) -> int:
-    """How a class's ``step_scaled`` steps under a ``GradScaler``: 0, its plain update (no
-    scaler, or the gradients unscaled in place here by ``unscale_gradients`` without an inf);
-    1, no update at all (an inf or NaN, as torch.optim's step is then not called); 2, its
-    fused kernel given ``grad_scale`` and ``found_inf`` (``fused``: the step runs on it), as
-    torch.optim's fused classes are given them."""
+) -> ScaledRoute:
+    """How a class's ``step_scaled`` steps under a ``GradScaler``: ``FUSED`` when ``fused``
+    (the step runs on its fused kernel) and there is a scaler; else the gradients unscaled
+    in place here by ``unscale_gradients``, then ``SKIP`` after an inf or NaN and ``PLAIN``
+    otherwise (also without a scaler)."""
     if grad_scale is None and found_inf is None:
-        return 0
+        return ScaledRoute.PLAIN
     if fused:
-        return 2
+        return ScaledRoute.FUSED
     if unscale_gradients(gradients, grad_scale, found_inf):
-        return 1
-    return 0
+        return ScaledRoute.SKIP
+    return ScaledRoute.PLAIN
 
 
 def count_back(steps: List[Tensor], found_inf: Optional[Tensor]) -> None:

@@ -1,4 +1,5 @@
 """Adadelta (steps scaled by running RMS of updates over gradients), as torch.optim.Adadelta."""
+import enum
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -26,7 +27,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
-    scalar_places,
+    GatherRules,
     check_spec_state,
     decayed,
     descend_,
@@ -38,6 +39,15 @@ from functional._kernels import (
     release,
     signed,
 )
+from functional._spec import Operand, state_spec
+
+
+class AdadeltaOperand(enum.Enum):
+    """Positions of ``FunctionalAdadelta``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    SQUARE_AVG = 3
+    ACC_DELTA = 4
 
 
 @native_op
@@ -46,7 +56,9 @@ def adadelta_native(
 ) -> None:
     """``adadelta_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
     torch.ops.distopt_kernels.adadelta_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], lr, rho, eps, weight_decay, maximize
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[AdadeltaOperand.STEP.value],
+        ops[AdadeltaOperand.SQUARE_AVG.value], ops[AdadeltaOperand.ACC_DELTA.value],
+        lr, rho, eps, weight_decay, maximize,
     )
 
 
@@ -67,7 +79,10 @@ def adadelta_update(
     Nothing is read on the host: the foreach step is graph-safe as it is, and with ``lr_t``
     (``step_lr``'s Tensor lr of a capturable step) reads the lr on the device too.
     """
-    params, grads, square_avgs, acc_deltas, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[AdadeltaOperand.STEP.value]
+    square_avgs = ops[AdadeltaOperand.SQUARE_AVG.value]
+    acc_deltas = ops[AdadeltaOperand.ACC_DELTA.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -157,9 +172,9 @@ class FunctionalAdadelta:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ['step', 'square_avg', 'acc_delta']
-        self.fills = [0.0, 0.0, 0.0]
-        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.spec = state_spec(
+            ['step', 'square_avg', 'acc_delta'], [0.0, 0.0, 0.0], ["step"], self.capturable
+        )
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -185,7 +200,7 @@ class FunctionalAdadelta:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -207,11 +222,10 @@ class FunctionalAdadelta:
         """
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense",
-                "Adadelta does not support sparse gradients", False,
+            rules = GatherRules(
+                self.spec, "dense", "Adadelta does not support sparse gradients", False
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 adadelta_update(
                     self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps, lr_t,

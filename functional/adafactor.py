@@ -1,4 +1,5 @@
 """Adafactor (factored second moments, relative step size), as torch.optim.Adafactor."""
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -40,6 +41,17 @@ from functional._kernels import (
     release,
     signed,
 )
+from functional._spec import Operand
+
+
+class AdafactorOperand(enum.Enum):
+    """Positions of ``FunctionalAdafactor``'s state in ``adafactor_gather``'s operand sets
+    (``Operand``): ``step``, then the second moment, factored (``row_var``, ``col_var``)
+    for a matrix, else ``variance`` in both places."""
+
+    STEP = 2
+    FIRST = 3
+    SECOND = 4
 
 
 def machine_epsilon(dtype: torch.dtype) -> float:
@@ -106,17 +118,14 @@ def adafactor_gather(
                     created.append(i)
                 entry = state[i]
                 if g.dim() > 1:
-                    mat[0].append(p)
-                    mat[1].append(g)
-                    mat[2].append(entry["step"])
-                    mat[3].append(entry["row_var"])
-                    mat[4].append(entry["col_var"])
+                    ops, first, second = mat, "row_var", "col_var"
                 else:
-                    vec[0].append(p)
-                    vec[1].append(g)
-                    vec[2].append(entry["step"])
-                    vec[3].append(entry["variance"])
-                    vec[4].append(entry["variance"])
+                    ops, first, second = vec, "variance", "variance"
+                ops[Operand.PARAMS.value].append(p)
+                ops[Operand.GRADS.value].append(g)
+                ops[AdafactorOperand.STEP.value].append(entry["step"])
+                ops[AdafactorOperand.FIRST.value].append(entry[first])
+                ops[AdafactorOperand.SECOND.value].append(entry[second])
         live.append(mat)
         live.append(vec)
 
@@ -136,9 +145,37 @@ def adafactor_native(
     """``adafactor_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``): three
     passes over each gradient instead of about ten."""
     torch.ops.distopt_kernels.adafactor_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], lr, beta2_decay, eps1, eps2, d, weight_decay,
-        maximize, factored,
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[AdafactorOperand.STEP.value],
+        ops[AdafactorOperand.FIRST.value], ops[AdafactorOperand.SECOND.value], lr, beta2_decay,
+        eps1, eps2, d, weight_decay, maximize, factored,
     )
+
+
+def factored_estimates(
+    grads: List[Tensor],
+    row_vars: List[Tensor],
+    col_vars: List[Tensor],
+    decays: List[Union[int, float, complex]],
+    eps1: float,
+) -> List[Tensor]:
+    """Matrices' second-moment estimates ``R C / max(mean_-2(R), eps1)``, after moving the
+    row and column variances ``R``, ``C`` towards the gradients' row and column mean squares
+    by ``decays`` (in place)."""
+    row_sizes: List[Union[int, float, complex]] = [g.size(-1) for g in grads]
+    col_sizes: List[Union[int, float, complex]] = [g.size(-2) for g in grads]
+    row_means = [torch.linalg.vector_norm(g, 2.0, [-1], True) for g in grads]
+    torch._foreach_mul_(row_means, row_means)
+    torch._foreach_div_(row_means, row_sizes)
+    torch._foreach_lerp_(row_vars, row_means, decays)
+    col_means = [torch.linalg.vector_norm(g, 2.0, [-2], True) for g in grads]
+    torch._foreach_mul_(col_means, col_means)
+    torch._foreach_div_(col_means, col_sizes)
+    torch._foreach_lerp_(col_vars, col_means, decays)
+    estimates = [torch.matmul(row_vars[j], col_vars[j]) for j in range(len(grads))]
+    row_var_means = [r.mean(dim=-2, keepdim=True) for r in row_vars]
+    torch._foreach_clamp_min_(row_var_means, eps1)
+    torch._foreach_div_(estimates, row_var_means)
+    return estimates
 
 
 def adafactor_update(
@@ -157,7 +194,9 @@ def adafactor_update(
     first, second]``: row_var/col_var when ``factored``, else the variance twice. On the
     fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the CPU,
     else on foreach ops."""
-    params, grads, steps, first, second = ops[0], ops[1], ops[2], ops[3], ops[4]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[AdafactorOperand.STEP.value]
+    first, second = ops[AdafactorOperand.FIRST.value], ops[AdafactorOperand.SECOND.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -178,20 +217,7 @@ def adafactor_update(
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
     if factored:
-        row_sizes: List[Union[int, float, complex]] = [g.size(-1) for g in grads]
-        col_sizes: List[Union[int, float, complex]] = [g.size(-2) for g in grads]
-        row_means = [torch.linalg.vector_norm(g, 2.0, [-1], True) for g in grads]
-        torch._foreach_mul_(row_means, row_means)
-        torch._foreach_div_(row_means, row_sizes)
-        torch._foreach_lerp_(first, row_means, decays)
-        col_means = [torch.linalg.vector_norm(g, 2.0, [-2], True) for g in grads]
-        torch._foreach_mul_(col_means, col_means)
-        torch._foreach_div_(col_means, col_sizes)
-        torch._foreach_lerp_(second, col_means, decays)
-        estimates = [torch.matmul(first[j], second[j]) for j in range(len(params))]
-        row_var_means = [r.mean(dim=-2, keepdim=True) for r in first]
-        torch._foreach_clamp_min_(row_var_means, eps1)
-        torch._foreach_div_(estimates, row_var_means)
+        estimates = factored_estimates(grads, first, second, decays, eps1)
     else:
         squares = torch._foreach_mul(grads, grads)
         torch._foreach_lerp_(first, squares, decays)

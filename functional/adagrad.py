@@ -1,4 +1,5 @@
 """Adagrad (per-coordinate step sizes from summed squared gradients), as torch.optim.Adagrad."""
+import enum
 import inspect
 from typing import Dict, List, Optional, Union
 
@@ -29,7 +30,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
-    scalar_places,
+    GatherRules,
     add_sparse_,
     check_spec_state,
     copy_back,
@@ -46,7 +47,9 @@ from functional._kernels import (
     signed,
     step_values,
     scaled_route,
+    ScaledRoute,
 )
+from functional._spec import Operand, StateSpec, scalar_places
 
 
 
@@ -78,6 +81,13 @@ def _fused_off_cuda(params: List[Tensor]) -> bool:
 #: resolves the name then and takes no module-level bool).
 fused_devices_ok = _fused_anywhere if _torch_fuses_cuda() else _fused_off_cuda
 
+class AdagradOperand(enum.Enum):
+    """Positions of ``FunctionalAdagrad``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    SUM = 3
+
+
 def adagrad_update(
     ops: List[List[Tensor]],
     fit: bool,
@@ -94,7 +104,8 @@ def adagrad_update(
     fused kernel or on foreach ops. ``grad_scale`` and ``found_inf`` (a GradScaler's, fused
     only) go to the kernel, which divides the gradients by the one and skips the update
     where the other is 1."""
-    params, grads, steps, sums = ops[0], ops[1], ops[2], ops[3]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps, sums = ops[AdagradOperand.STEP.value], ops[AdagradOperand.SUM.value]
     if len(params) == 0:
         return
     if fused:
@@ -126,8 +137,10 @@ def adagrad_sparse_update(
     """torch.optim's per-tensor rule, the only one that takes sparse gradients, for each of
     ``[params, grads, steps, sums]``: the update is non-linear, so repeated indices are
     summed (coalesced) first. (``step`` refuses weight decay with sparse gradients.)"""
-    for j in range(len(ops[0])):
-        param, grad, step_t, state_sum = ops[0][j], ops[1][j], ops[2][j], ops[3][j]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps, sums = ops[AdagradOperand.STEP.value], ops[AdagradOperand.SUM.value]
+    for j in range(len(params)):
+        param, grad, step_t, state_sum = params[j], grads[j], steps[j], sums[j]
         step_t.add_(1.0)
         if maximize:
             grad = -grad
@@ -223,12 +236,12 @@ class FunctionalAdagrad:
         self.use_fused = use_fused_kernel(foreach, fused) and fused_devices_ok(params)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ["step", "sum"]
-        self.scalars = scalar_places(self.keys, ["step"], self.use_fused)
         self.live = no_operands()
+        self.places = scalar_places(["step", "sum"], ["step"], self.use_fused)
         # torch.optim.Adagrad creates every parameter's state in its constructor.
+        spec = self._spec()
         for i in range(len(params)):
-            self.state[i] = new_state(params[i], self.keys, self.fills(), self.scalars)
+            self.state[i] = new_state(params[i], spec)
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, lr_decay, weight_decay, eps,
@@ -259,7 +272,7 @@ class FunctionalAdagrad:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills(), self.scalars)
+        return check_spec_state(self.params, state, self._spec())
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -299,9 +312,9 @@ class FunctionalAdagrad:
             if g is not None and g.is_sparse:
                 fused = False
         route = scaled_route(gradients, grad_scale, found_inf, fused)
-        if route == 0:
+        if route == ScaledRoute.PLAIN:
             self._update(gradients, None, None)
-        elif route == 2:
+        elif route == ScaledRoute.FUSED:
             self._update(gradients, grad_scale, found_inf)
 
     def _update(
@@ -312,11 +325,10 @@ class FunctionalAdagrad:
     ) -> None:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            fits = gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills(), self.scalars, "both", "", self.use_fused,
-            )
-            if self.weight_decay != 0.0 and len(self.live[len(fits) - 1][0]) > 0:
+            rules = GatherRules(self._spec(), "both", "", self.use_fused)
+            fits = gather(self.live, self.params, self.state, self.groups, gradients, rules)
+            sparse_ops = self.live[len(fits) - 1]
+            if self.weight_decay != 0.0 and len(sparse_ops[Operand.PARAMS.value]) > 0:
                 release(self.live, self.groups)  # before any parameter changes (torch.optim's message)
                 raise RuntimeError("weight_decay option is not compatible with sparse gradients")
             for s in range(len(fits) - 1):
@@ -324,11 +336,14 @@ class FunctionalAdagrad:
                     self.live[s], fits[s], lr, self.lr_decay, self.weight_decay, self.eps,
                     self.maximize, self.use_fused, grad_scale, found_inf,
                 )
-            adagrad_sparse_update(
-                self.live[len(fits) - 1], lr, self.lr_decay, self.eps, self.maximize
-            )
+            adagrad_sparse_update(sparse_ops, lr, self.lr_decay, self.eps, self.maximize)
             release(self.live, self.groups)
 
     def fills(self) -> List[float]:
         """``new_state``'s values: ``sum`` starts at ``initial_accumulator_value``."""
         return [0.0, self.initial_accumulator_value]
+
+    def _spec(self) -> StateSpec:
+        """The state made from now on (``new_state``): ``fills``, read at each use (they
+        follow ``set_hyperparameter``), placed by ``places``."""
+        return StateSpec(["step", "sum"], self.fills(), self.places)

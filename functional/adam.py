@@ -4,6 +4,7 @@
 around it. ``FunctionalAdamW`` builds a ``FunctionalAdam`` with decoupled weight decay and
 AdamW's defaults, as torch.optim.AdamW is Adam with ``decoupled_weight_decay=True``.
 """
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -39,8 +40,9 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
+    GatherRules,
+    ScaledRoute,
     adam_step_sizes,
-    scalar_places,
     check_spec_state,
     copy_back,
     count_back,
@@ -57,6 +59,17 @@ from functional._kernels import (
     step_values,
     scaled_route,
 )
+from functional._spec import Operand, state_spec
+
+
+class AdamOperand(enum.Enum):
+    """Positions of ``FunctionalAdam``'s state in an operand set (``Operand``; ``adam_keys``:
+    ``MAX_EXP_AVG_SQ`` with amsgrad only)."""
+
+    STEP = 2
+    EXP_AVG = 3
+    EXP_AVG_SQ = 4
+    MAX_EXP_AVG_SQ = 5
 
 
 def adam_keys(amsgrad: bool) -> List[str]:
@@ -64,6 +77,49 @@ def adam_keys(amsgrad: bool) -> List[str]:
     if amsgrad:
         return ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
     return ["step", "exp_avg", "exp_avg_sq"]
+
+
+def adam_operands(
+    ops: List[List[Tensor]], amsgrad: bool
+) -> Tuple[List[Tensor], List[Tensor], List[Tensor], List[Tensor], List[Tensor], List[Tensor]]:
+    """``gather``'s operand set by name: params, grads, steps, exp_avgs, exp_avg_sqs and
+    max_exp_avg_sqs (an empty list without amsgrad)."""
+    max_exp_avg_sqs = (
+        ops[AdamOperand.MAX_EXP_AVG_SQ.value] if amsgrad else torch.jit.annotate(List[Tensor], [])
+    )
+    return (
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[AdamOperand.STEP.value],
+        ops[AdamOperand.EXP_AVG.value], ops[AdamOperand.EXP_AVG_SQ.value], max_exp_avg_sqs,
+    )
+
+
+def adam_fused_update(
+    ops: List[List[Tensor]], fit: bool, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, amsgrad: bool, maximize: bool, decoupled_weight_decay: bool,
+    grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+) -> None:
+    """``adam_update`` of a non-empty operand set on torch's fused kernel
+    (``torch._fused_adamw_`` with decoupled weight decay)."""
+    params, grads, steps, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = adam_operands(ops, amsgrad)
+    staged = fit_fused_layouts(params, grads, exp_avgs) if fit else [params[:0], params[:0]]
+    # The fused kernels read the already incremented step, as torch.optim arranges.
+    increment_steps(steps)
+    scale = on_device(grad_scale, params[0])
+    inf = on_device(found_inf, params[0])
+    if decoupled_weight_decay:
+        torch._fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+            amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=inf,
+        )
+    else:
+        torch._fused_adam_(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+            amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=inf,
+        )
+    count_back(steps, found_inf)
+    copy_back(staged)
 
 
 def adam_update(
@@ -84,34 +140,18 @@ def adam_update(
     found_inf: Optional[Tensor] = None,
 ) -> None:
     """One Adam step over ``gather``'s operands ``[params, grads, steps, exp_avgs,
-    exp_avg_sqs, (max_exp_avg_sqs)]``, on the fused kernel or on foreach ops (their
-    graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor lr). ``grad_scale``
-    and ``found_inf`` (a GradScaler's, fused only) go to the kernel, which divides the
-    gradients by the one and skips the update where the other is 1."""
-    params, grads, steps, exp_avgs, exp_avg_sqs = ops[0], ops[1], ops[2], ops[3], ops[4]
-    max_exp_avg_sqs = ops[5] if amsgrad else torch.jit.annotate(List[Tensor], [])
+    exp_avg_sqs, (max_exp_avg_sqs)]``, on the fused kernel (``adam_fused_update``) or on
+    foreach ops (their graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s Tensor
+    lr). ``grad_scale`` and ``found_inf`` (a GradScaler's, fused only) go to the kernel,
+    which divides the gradients by the one and skips the update where the other is 1."""
+    params, grads, steps, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = adam_operands(ops, amsgrad)
     if len(params) == 0:
         return
     if fused:
-        staged = fit_fused_layouts(params, grads, exp_avgs) if fit else [params[:0], params[:0]]
-        # The fused kernels read the already incremented step, as torch.optim arranges.
-        increment_steps(steps)
-        scale = on_device(grad_scale, params[0])
-        inf = on_device(found_inf, params[0])
-        if decoupled_weight_decay:
-            torch._fused_adamw_(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=inf,
-            )
-        else:
-            torch._fused_adam_(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=inf,
-            )
-        count_back(steps, found_inf)
-        copy_back(staged)
+        adam_fused_update(
+            ops, fit, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
+            decoupled_weight_decay, grad_scale, found_inf,
+        )
         return
     grads = signed(grads, maximize)
     increment_steps(steps)
@@ -239,9 +279,10 @@ class FunctionalAdam:
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.name = "Adam"  # "AdamW" when built by FunctionalAdamW
-        self.keys = adam_keys(self.amsgrad)
-        self.fills = [0.0 for _ in self.keys]
-        self.scalars = scalar_places(self.keys, ["step"], self.capturable or self.use_fused)
+        keys = adam_keys(self.amsgrad)
+        self.spec = state_spec(
+            keys, [0.0 for _ in keys], ["step"], self.capturable or self.use_fused
+        )
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
         self.live = no_operands()
@@ -268,7 +309,7 @@ class FunctionalAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -303,9 +344,9 @@ class FunctionalAdam:
         as torch.optim's foreach Adam under ``GradScaler.unscale_``: the gradients divided
         in place, and no step at all after an inf or NaN (``unscale_gradients``)."""
         route = scaled_route(gradients, grad_scale, found_inf, self.use_fused)
-        if route == 0:
+        if route == ScaledRoute.PLAIN:
             self._update(gradients, None, None)
-        elif route == 2:
+        elif route == ScaledRoute.FUSED:
             self._update(gradients, grad_scale, found_inf)
 
     def _update(
@@ -319,12 +360,12 @@ class FunctionalAdam:
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable and not self.use_fused)
         beta1, beta2 = pair_of(self.betas, self.betas_tensor, self.capturable)
         with torch.no_grad():
-            fits = gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense",
+            rules = GatherRules(
+                self.spec, "dense",
                 "Adam does not support sparse gradients, please consider SparseAdam instead",
                 self.use_fused,
             )
+            fits = gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for g in range(len(fits)):
                 adam_update(
                     self.live[g], fits[g], lr, beta1, beta2, self.eps,

@@ -1,4 +1,5 @@
 """Adamax (Adam with the infinity norm), as torch.optim.Adamax."""
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -27,8 +28,8 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
+    GatherRules,
     adam_step_sizes,
-    scalar_places,
     check_spec_state,
     decayed,
     gather,
@@ -40,6 +41,15 @@ from functional._kernels import (
     signed,
     step_counts,
 )
+from functional._spec import Operand, state_spec
+
+
+class AdamaxOperand(enum.Enum):
+    """Positions of ``FunctionalAdamax``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    EXP_AVG = 3
+    EXP_INF = 4
 
 
 @native_op
@@ -53,7 +63,9 @@ def adamax_native(
 ) -> None:
     """``adamax_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
     torch.ops.distopt_kernels.adamax_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], lr, betas[0], betas[1], eps, weight_decay, maximize
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[AdamaxOperand.STEP.value],
+        ops[AdamaxOperand.EXP_AVG.value], ops[AdamaxOperand.EXP_INF.value],
+        lr, betas[0], betas[1], eps, weight_decay, maximize,
     )
 
 
@@ -72,7 +84,10 @@ def adamax_update(
     on the fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the
     CPU, else on foreach ops (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s
     Tensor lr)."""
-    params, grads, exp_avgs, exp_infs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[AdamaxOperand.STEP.value]
+    exp_avgs = ops[AdamaxOperand.EXP_AVG.value]
+    exp_infs = ops[AdamaxOperand.EXP_INF.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -169,9 +184,9 @@ class FunctionalAdamax:
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ['step', 'exp_avg', 'exp_inf']
-        self.fills = [0.0, 0.0, 0.0]
-        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.spec = state_spec(
+            ['step', 'exp_avg', 'exp_inf'], [0.0, 0.0, 0.0], ["step"], self.capturable
+        )
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -198,7 +213,7 @@ class FunctionalAdamax:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -220,11 +235,10 @@ class FunctionalAdamax:
         """
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense",
-                "Adamax does not support sparse gradients", False,
+            rules = GatherRules(
+                self.spec, "dense", "Adamax does not support sparse gradients", False
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 adamax_update(
                     self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps,

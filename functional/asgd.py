@@ -1,4 +1,5 @@
 """Averaged SGD (SGD with decaying steps and a running parameter average), as torch.optim.ASGD."""
+import enum
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -25,7 +26,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
-    scalar_places,
+    GatherRules,
     check_spec_state,
     decayed,
     gather,
@@ -38,6 +39,16 @@ from functional._kernels import (
     signed,
     step_counts,
 )
+from functional._spec import Operand, StateSpec, state_spec
+
+
+class ASGDOperand(enum.Enum):
+    """Positions of ``FunctionalASGD``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    ETA = 3
+    MU = 4
+    AX = 5
 
 
 @native_op
@@ -53,8 +64,9 @@ def asgd_native(
     """``asgd_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``): torch.optim's
     per-tensor ASGD, its eta and mu included, bit for bit."""
     torch.ops.distopt_kernels.asgd_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], lr, lambd, alpha, t0, weight_decay,
-        maximize,
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[ASGDOperand.STEP.value],
+        ops[ASGDOperand.ETA.value], ops[ASGDOperand.MU.value], ops[ASGDOperand.AX.value],
+        lr, lambd, alpha, t0, weight_decay, maximize,
     )
 
 
@@ -74,7 +86,11 @@ def asgd_update(
     fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the CPU,
     else on foreach ops (the graph-safe form when ``capturable``; ``lr_t``: ``step_lr``'s
     Tensor lr)."""
-    params, grads, axs, mus, etas, steps = ops[0], ops[1], ops[5], ops[4], ops[3], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[ASGDOperand.STEP.value]
+    etas = ops[ASGDOperand.ETA.value]
+    mus = ops[ASGDOperand.MU.value]
+    axs = ops[ASGDOperand.AX.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -202,10 +218,10 @@ class FunctionalASGD:
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ['step', 'eta', 'mu', 'ax']
-        self.fills = [0.0, 0.0, 1.0, 0.0]
         # torch.optim.ASGD keeps all three on the parameter's device, capturable or not.
-        self.scalars = scalar_places(self.keys, ["step", "eta", "mu"], True)
+        self.spec = state_spec(
+            ['step', 'eta', 'mu', 'ax'], [0.0, 0.0, 1.0, 0.0], ["step", "eta", "mu"], True
+        )
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -235,7 +251,7 @@ class FunctionalASGD:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -259,10 +275,9 @@ class FunctionalASGD:
         # those.
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable, self.state, gradients)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                [0.0, lr, 1.0, 0.0], self.scalars, "dense", "ASGD does not support sparse gradients", False,
-            )
+            spec = StateSpec(self.spec.keys, [0.0, lr, 1.0, 0.0], self.spec.places)
+            rules = GatherRules(spec, "dense", "ASGD does not support sparse gradients", False)
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 asgd_update(
                     self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha,

@@ -1,4 +1,5 @@
 """Muon (momentum orthogonalized by Newton-Schulz) for 2-D parameters, as torch.optim.Muon."""
+import enum
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -25,7 +26,14 @@ from functional._common import (
     unknown_hyperparameter,
 )
 from functional._flat import layout
-from functional._kernels import check_spec_state, gather, no_operands, release
+from functional._kernels import GatherRules, check_spec_state, gather, no_operands, release
+from functional._spec import Operand, Place, StateSpec
+
+
+class MuonOperand(enum.Enum):
+    """Positions of ``FunctionalMuon``'s state in an operand set (``Operand``)."""
+
+    MOMENTUM_BUFFER = 2
 
 
 def newton_schulz_orthogonalize(
@@ -79,8 +87,10 @@ def muon_update(
 ) -> None:
     """One Muon step over ``gather``'s operands ``[params, grads, momentum_buffers]``, one
     matrix at a time (each update is orthogonalized on its own)."""
-    for j in range(len(ops[0])):
-        param, grad, buf = ops[0][j], ops[1][j], ops[2][j]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    bufs = ops[MuonOperand.MOMENTUM_BUFFER.value]
+    for j in range(len(params)):
+        param, grad, buf = params[j], grads[j], bufs[j]
         buf.lerp_(grad, 1.0 - momentum)
         if nesterov:
             update = grad.lerp(buf, momentum)
@@ -169,9 +179,7 @@ class FunctionalMuon:
         self.adjust_lr_fn = adjust_lr_fn
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ["momentum_buffer"]
-        self.fills = [0.0]
-        self.scalars = [0]
+        self.spec = StateSpec(["momentum_buffer"], [0.0], [Place.PARAM_LAYOUT])
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -204,7 +212,7 @@ class FunctionalMuon:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -228,10 +236,10 @@ class FunctionalMuon:
             if gradients[i] is not None and self.params[i].is_complex():
                 raise RuntimeError("Muon does not support complex parameters")  # torch.optim's message
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense", "Muon does not support sparse gradients", False,
+            rules = GatherRules(
+                self.spec, "dense", "Muon does not support sparse gradients", False
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 muon_update(
                     self.live[s], self.lr, self.weight_decay, self.momentum, self.nesterov,

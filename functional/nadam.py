@@ -1,4 +1,5 @@
 """NAdam (Adam with Nesterov momentum), as torch.optim.NAdam."""
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -27,7 +28,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
-    scalar_places,
+    GatherRules,
     check_spec_state,
     decayed,
     gather,
@@ -36,16 +37,60 @@ from functional._kernels import (
     native_kernels,
     native_op,
     no_operands,
+    numbers,
     release,
     signed,
     step_counts,
 )
+from functional._spec import Operand, state_spec
 
 
 def nadam_momentum(t: Tensor, beta1: float, momentum_decay: float) -> Tensor:
     """NAdam's momentum coefficient ``beta1 * (1 - 0.96 ** (t * momentum_decay) / 2)`` for
     each step count of ``t`` (``step_counts``), on its device."""
     return beta1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
+
+
+class NAdamOperand(enum.Enum):
+    """Positions of ``FunctionalNAdam``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    MU_PRODUCT = 3
+    EXP_AVG = 4
+    EXP_AVG_SQ = 5
+
+
+def nadam_momenta_on_host(
+    steps: List[Tensor], beta1: float, beta2: float, momentum_decay: float
+) -> Tuple[List[float], List[float], List[Union[int, float, complex]]]:
+    """Per parameter, from the step counts read on the host: the momentum coefficients
+    ``mu_t`` and ``mu_{t+1}`` (``nadam_momentum``'s) and ``sqrt(1 - beta2 ** t)`` (foreach
+    ScalarList overloads take TorchScript's ``number``, not List[float])."""
+    mus: List[float] = []
+    mu_nexts: List[float] = []
+    bias_correction2_sqrts: List[Union[int, float, complex]] = []
+    for s in steps:
+        t = float(s.item())
+        bias_correction2_sqrts.append((1.0 - beta2 ** t) ** 0.5)
+        mus.append(beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay))))
+        mu_nexts.append(beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * momentum_decay))))
+    return mus, mu_nexts, bias_correction2_sqrts
+
+
+def nadam_sizes_on_host(
+    mu_products: List[Tensor], mus: List[float], mu_nexts: List[float], lr: float
+) -> Tuple[List[Union[int, float, complex]], List[Union[int, float, complex]]]:
+    """Per parameter, the step sizes of the gradient and of ``exp_avg``, from the updated
+    ``mu_product`` read on the host and ``nadam_momenta_on_host``'s coefficients."""
+    grad_sizes: List[Union[int, float, complex]] = []
+    exp_avg_sizes: List[Union[int, float, complex]] = []
+    for j in range(len(mu_products)):
+        mu = mus[j]
+        mu_next = mu_nexts[j]
+        mu_product = float(mu_products[j].item())
+        grad_sizes.append(-(lr * (1.0 - mu) / (1.0 - mu_product)))
+        exp_avg_sizes.append(-(lr * mu_next / (1.0 - mu_product * mu_next)))
+    return grad_sizes, exp_avg_sizes
 
 
 @native_op
@@ -61,8 +106,10 @@ def nadam_native(
 ) -> None:
     """``nadam_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
     torch.ops.distopt_kernels.nadam_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], lr, betas[0], betas[1], eps,
-        weight_decay, momentum_decay, decoupled_weight_decay, maximize,
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[NAdamOperand.STEP.value],
+        ops[NAdamOperand.MU_PRODUCT.value], ops[NAdamOperand.EXP_AVG.value],
+        ops[NAdamOperand.EXP_AVG_SQ.value], lr, betas[0], betas[1], eps, weight_decay,
+        momentum_decay, decoupled_weight_decay, maximize,
     )
 
 
@@ -83,7 +130,11 @@ def nadam_update(
     exp_avg_sq]``: on the fused CPU kernel when ``native`` (``native_kernels``) and the
     parameters are on the CPU, else on foreach ops (the graph-safe form when ``capturable``;
     ``lr_t``: ``step_lr``'s Tensor lr)."""
-    params, grads, exp_avgs, exp_avg_sqs, mu_products, steps = ops[0], ops[1], ops[4], ops[5], ops[3], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[NAdamOperand.STEP.value]
+    mu_products = ops[NAdamOperand.MU_PRODUCT.value]
+    exp_avgs = ops[NAdamOperand.EXP_AVG.value]
+    exp_avg_sqs = ops[NAdamOperand.EXP_AVG_SQ.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -115,30 +166,14 @@ def nadam_update(
         torch._foreach_addcmul_(numerators, exp_avgs, exp_avg_sizes.unbind(0))
         torch._foreach_addcdiv_(params, numerators, denom)
         return
-    # Foreach ScalarList overloads take TorchScript's `number`, not List[float].
-    bias_correction2_sqrts: List[Union[int, float, complex]] = []
-    mus: List[Union[int, float, complex]] = []
-    mu_floats: List[float] = []
-    mu_nexts: List[float] = []
-    for s in steps:
-        t = float(s.item())
-        bias_correction2_sqrts.append((1.0 - beta2 ** t) ** 0.5)
-        mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
-        mus.append(mu)
-        mu_floats.append(mu)
-        mu_nexts.append(beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * momentum_decay))))
+    mus, mu_nexts, bias_correction2_sqrts = nadam_momenta_on_host(
+        steps, beta1, beta2, momentum_decay
+    )
     # mu_product is float32, as in torch.optim: the step sizes use its rounded value.
-    torch._foreach_mul_(mu_products, mus)
+    torch._foreach_mul_(mu_products, numbers(mus))
     torch._foreach_div_(denom, bias_correction2_sqrts)
     torch._foreach_add_(denom, eps)
-    grad_sizes: List[Union[int, float, complex]] = []
-    exp_avg_sizes: List[Union[int, float, complex]] = []
-    for j in range(len(params)):
-        mu = mu_floats[j]
-        mu_next = mu_nexts[j]
-        mu_product = float(mu_products[j].item())
-        grad_sizes.append(-(lr * (1.0 - mu) / (1.0 - mu_product)))
-        exp_avg_sizes.append(-(lr * mu_next / (1.0 - mu_product * mu_next)))
+    grad_sizes, exp_avg_sizes = nadam_sizes_on_host(mu_products, mus, mu_nexts, lr)
     torch._foreach_addcdiv_(params, grads, denom, grad_sizes)
     torch._foreach_addcdiv_(params, exp_avgs, denom, exp_avg_sizes)
 
@@ -227,9 +262,10 @@ class FunctionalNAdam:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ['step', 'mu_product', 'exp_avg', 'exp_avg_sq']
-        self.fills = [0.0, 1.0, 0.0, 0.0]
-        self.scalars = scalar_places(self.keys, ["step", "mu_product"], self.capturable)
+        self.spec = state_spec(
+            ['step', 'mu_product', 'exp_avg', 'exp_avg_sq'],
+            [0.0, 1.0, 0.0, 0.0], ["step", "mu_product"], self.capturable,
+        )
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -261,7 +297,7 @@ class FunctionalNAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -283,11 +319,10 @@ class FunctionalNAdam:
         """
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense",
-                "NAdam does not support sparse gradients", False,
+            rules = GatherRules(
+                self.spec, "dense", "NAdam does not support sparse gradients", False
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 nadam_update(
                     self.live[s], lr, self.betas, self.maximize, self.weight_decay,

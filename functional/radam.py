@@ -1,4 +1,5 @@
 """RAdam (rectified Adam), as torch.optim.RAdam."""
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -27,8 +28,8 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
+    GatherRules,
     adam_step_sizes,
-    scalar_places,
     check_spec_state,
     decayed,
     gather,
@@ -40,6 +41,7 @@ from functional._kernels import (
     signed,
     step_counts,
 )
+from functional._spec import Operand, state_spec
 
 
 def radam_sizes_on_host(
@@ -85,6 +87,14 @@ def radam_sizes_on_device(
     return [sizes * rect * (1.0 - decay).sqrt(), sizes.masked_fill(rect > 0.0, 0.0)]
 
 
+class RAdamOperand(enum.Enum):
+    """Positions of ``FunctionalRAdam``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    EXP_AVG = 3
+    EXP_AVG_SQ = 4
+
+
 @native_op
 def radam_native(
     ops: List[List[Tensor]],
@@ -97,8 +107,9 @@ def radam_native(
 ) -> None:
     """``radam_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
     torch.ops.distopt_kernels.radam_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], lr, betas[0], betas[1], eps, weight_decay,
-        decoupled_weight_decay, maximize,
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[RAdamOperand.STEP.value],
+        ops[RAdamOperand.EXP_AVG.value], ops[RAdamOperand.EXP_AVG_SQ.value],
+        lr, betas[0], betas[1], eps, weight_decay, decoupled_weight_decay, maximize,
     )
 
 
@@ -118,7 +129,10 @@ def radam_update(
     on the fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the
     CPU, else on foreach ops (the graph-safe form when ``capturable``; ``lr_t``:
     ``step_lr``'s Tensor lr)."""
-    params, grads, exp_avgs, exp_avg_sqs, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[RAdamOperand.STEP.value]
+    exp_avgs = ops[RAdamOperand.EXP_AVG.value]
+    exp_avg_sqs = ops[RAdamOperand.EXP_AVG_SQ.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -232,9 +246,9 @@ class FunctionalRAdam:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ['step', 'exp_avg', 'exp_avg_sq']
-        self.fills = [0.0, 0.0, 0.0]
-        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.spec = state_spec(
+            ['step', 'exp_avg', 'exp_avg_sq'], [0.0, 0.0, 0.0], ["step"], self.capturable
+        )
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -261,7 +275,7 @@ class FunctionalRAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -283,11 +297,10 @@ class FunctionalRAdam:
         """
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense",
-                "RAdam does not support sparse gradients", False,
+            rules = GatherRules(
+                self.spec, "dense", "RAdam does not support sparse gradients", False
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 radam_update(
                     self.live[s], lr, self.betas, self.maximize, self.weight_decay,

@@ -1,5 +1,6 @@
 """RMSprop (steps divided by a running RMS of gradients), as torch.optim.RMSprop."""
-from typing import Dict, List, Optional, Union
+import enum
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
-    scalar_places,
+    GatherRules,
     check_spec_state,
     decayed,
     descend_,
@@ -37,6 +38,7 @@ from functional._kernels import (
     release,
     signed,
 )
+from functional._spec import Operand, StateSpec, state_spec
 
 
 def rmsprop_keys(momentum: float, centered: bool) -> List[str]:
@@ -47,6 +49,34 @@ def rmsprop_keys(momentum: float, centered: bool) -> List[str]:
     if centered:
         keys.append("grad_avg")
     return keys
+
+
+def rmsprop_spec(momentum: float, centered: bool, capturable: bool) -> StateSpec:
+    """RMSprop's state under these options: zeros, ``step`` on the device when
+    ``capturable``."""
+    keys = rmsprop_keys(momentum, centered)
+    return state_spec(keys, [0.0 for _ in keys], ["step"], capturable)
+
+
+class RMSpropOperand(enum.Enum):
+    """Positions of ``FunctionalRMSprop``'s state in an operand set (``Operand``;
+    ``rmsprop_keys``). ``momentum_buffer`` and ``grad_avg`` are there only where the options
+    ask for them, so ``grad_avg`` is read as the last set (``rmsprop_buffers``)."""
+
+    STEP = 2
+    SQUARE_AVG = 3
+    MOMENTUM_BUFFER = 4
+
+
+def rmsprop_buffers(
+    ops: List[List[Tensor]], momentum: float, centered: bool
+) -> Tuple[List[Tensor], List[Tensor]]:
+    """An operand set's momentum buffers and grad_avgs, each empty where the options keep
+    none."""
+    params = ops[Operand.PARAMS.value]
+    bufs = ops[RMSpropOperand.MOMENTUM_BUFFER.value] if momentum > 0.0 else params[:0]
+    grad_avgs = ops[len(ops) - 1] if centered else params[:0]
+    return bufs, grad_avgs
 
 
 @native_op
@@ -61,12 +91,11 @@ def rmsprop_native(
     momentum: float,
 ) -> None:
     """``rmsprop_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
-    params = ops[0]
-    bufs = ops[4] if momentum > 0.0 else params[:0]
-    grad_avgs = ops[len(ops) - 1] if centered else params[:0]
+    bufs, grad_avgs = rmsprop_buffers(ops, momentum, centered)
     torch.ops.distopt_kernels.rmsprop_(
-        params, ops[1], ops[2], ops[3], bufs, grad_avgs, lr, alpha, eps, weight_decay, momentum,
-        centered, maximize,
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[RMSpropOperand.STEP.value],
+        ops[RMSpropOperand.SQUARE_AVG.value], bufs, grad_avgs, lr, alpha, eps, weight_decay,
+        momentum, centered, maximize,
     )
 
 
@@ -90,9 +119,10 @@ def rmsprop_update(
     Nothing is read on the host: the foreach step is graph-safe as it is, and with ``lr_t``
     (``step_lr``'s Tensor lr of a capturable step) reads the lr on the device too.
     """
-    params, grads, steps, square_avgs = ops[0], ops[1], ops[2], ops[3]
-    bufs = ops[4] if momentum > 0.0 else params[:0]
-    grad_avgs = ops[len(ops) - 1] if centered else params[:0]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[RMSpropOperand.STEP.value]
+    square_avgs = ops[RMSpropOperand.SQUARE_AVG.value]
+    bufs, grad_avgs = rmsprop_buffers(ops, momentum, centered)
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -201,9 +231,7 @@ class FunctionalRMSprop:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = rmsprop_keys(self.momentum, self.centered)
-        self.fills = [0.0 for _ in self.keys]
-        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.spec = rmsprop_spec(self.momentum, self.centered, self.capturable)
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -225,9 +253,7 @@ class FunctionalRMSprop:
             self.weight_decay = scalar(name, value)
         elif name == "momentum":
             self.momentum = scalar(name, value)
-            self.keys = rmsprop_keys(self.momentum, self.centered)
-            self.fills = [0.0 for _ in self.keys]
-            self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+            self.spec = rmsprop_spec(self.momentum, self.centered, self.capturable)
             self._complete_state()
         else:
             raise ValueError(
@@ -240,8 +266,9 @@ class FunctionalRMSprop:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
         # A state without momentum_buffer / grad_avg is complete (set_state adds what the
         # options ask for); one with them must have them shaped like the parameter.
+        spec = self.spec
         return check_spec_state(
-            self.params, state, ["step", "square_avg"], [0.0, 0.0], self.scalars[:2]
+            self.params, state, StateSpec(spec.keys[:2], spec.fills[:2], spec.places[:2])
         )
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
@@ -253,7 +280,7 @@ class FunctionalRMSprop:
         """Give every entry the buffers the current options need (zeros), so that turning
         momentum on, or loading a state saved without it, needs no check in ``step``."""
         for i, entry in self.state.items():
-            for key in self.keys:
+            for key in self.spec.keys:
                 if key not in entry:
                     entry[key] = torch.zeros_like(self.params[i], memory_format=torch.preserve_format)
 
@@ -273,11 +300,10 @@ class FunctionalRMSprop:
         """
         lr, lr_t = step_lr(self.lr, self.lr_tensor, self.capturable)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "dense",
-                "RMSprop does not support sparse gradients", False,
+            rules = GatherRules(
+                self.spec, "dense", "RMSprop does not support sparse gradients", False
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 rmsprop_update(
                     self.live[s], lr, self.alpha, self.maximize, self.weight_decay,

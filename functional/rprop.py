@@ -1,4 +1,5 @@
 """Rprop (sign-based steps with per-element adaptive step sizes), as torch.optim.Rprop."""
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -25,7 +26,7 @@ from functional._common import (
 )
 from functional._flat import layout
 from functional._kernels import (
-    scalar_places,
+    GatherRules,
     check_spec_state,
     gather,
     increment_steps,
@@ -34,6 +35,15 @@ from functional._kernels import (
     no_operands,
     release,
 )
+from functional._spec import Operand, StateSpec, state_spec
+
+
+class RpropOperand(enum.Enum):
+    """Positions of ``FunctionalRprop``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    PREV = 3
+    STEP_SIZE = 4
 
 
 @native_op
@@ -45,8 +55,9 @@ def rprop_native(
 ) -> None:
     """``rprop_update`` on the fused CPU kernel (``csrc/elementwise_ops.cpp``)."""
     torch.ops.distopt_kernels.rprop_(
-        ops[0], ops[1], ops[2], ops[3], ops[4], etas[0], etas[1], step_size_bounds[0],
-        step_size_bounds[1], maximize,
+        ops[Operand.PARAMS.value], ops[Operand.GRADS.value], ops[RpropOperand.STEP.value],
+        ops[RpropOperand.PREV.value], ops[RpropOperand.STEP_SIZE.value],
+        etas[0], etas[1], step_size_bounds[0], step_size_bounds[1], maximize,
     )
 
 
@@ -60,7 +71,10 @@ def rprop_update(
     """One Rprop step over ``gather``'s operands ``[params, grads, step, prev, step_size]``,
     on the fused CPU kernel when ``native`` (``native_kernels``) and the parameters are on the
     CPU, else on foreach ops."""
-    params, grads, prevs, step_sizes, steps = ops[0], ops[1], ops[3], ops[4], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    steps = ops[RpropOperand.STEP.value]
+    prevs = ops[RpropOperand.PREV.value]
+    step_sizes = ops[RpropOperand.STEP_SIZE.value]
     if len(params) == 0:
         return
     if native and params[0].device.type == "cpu":
@@ -156,9 +170,9 @@ class FunctionalRprop:
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ['step', 'prev', 'step_size']
-        self.fills = [0.0, 0.0, 0.0]
-        self.scalars = scalar_places(self.keys, ["step"], self.capturable)
+        self.spec = state_spec(
+            ['step', 'prev', 'step_size'], [0.0, 0.0, 0.0], ["step"], self.capturable
+        )
         self.native = native_kernels(foreach, self.capturable)
         self.live = no_operands()
 
@@ -183,7 +197,7 @@ class FunctionalRprop:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -206,10 +220,9 @@ class FunctionalRprop:
         # lr only starts new step sizes: a capturable step reads a Tensor lr only for those.
         lr, _ = step_lr(self.lr, self.lr_tensor, self.capturable, self.state, gradients)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                [0.0, 0.0, lr], self.scalars, "dense", "Rprop does not support sparse gradients", False,
-            )
+            spec = StateSpec(self.spec.keys, [0.0, 0.0, lr], self.spec.places)
+            rules = GatherRules(spec, "dense", "Rprop does not support sparse gradients", False)
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for s in range(len(self.live)):
                 rprop_update(self.live[s], self.etas, self.step_sizes, self.maximize, self.native)
             release(self.live, self.groups)

@@ -1,4 +1,5 @@
 """Stochastic gradient descent (optionally with momentum), as torch.optim.SGD."""
+import enum
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -43,7 +44,27 @@ from functional._kernels import (
     release,
     signed,
     scaled_route,
+    ScaledRoute,
 )
+from functional._spec import Operand, Place, StateSpec
+
+
+class SGDOperand(enum.Enum):
+    """Positions of ``FunctionalSGD``'s state in ``sgd_gather``'s operand sets (``Operand``;
+    an empty list without momentum)."""
+
+    MOMENTUM_BUFFER = 2
+
+
+def momentum_spec(momentum: bool) -> StateSpec:
+    """SGD's state as a flat buffer keeps it: a momentum buffer laid out as the parameter,
+    none without momentum."""
+    if momentum:
+        return StateSpec(["momentum_buffer"], [0.0], [Place.PARAM_LAYOUT])
+    return StateSpec(
+        torch.jit.annotate(List[str], []), torch.jit.annotate(List[float], []),
+        torch.jit.annotate(List[Place], []),
+    )
 
 
 def sgd_gather(
@@ -77,6 +98,7 @@ def sgd_gather(
     first_bufs: List[Tensor] = []
     sparse_indices: List[int] = []
     todo, whole = split_flats(groups, gradients, "both")
+    spec = momentum_spec(momentum)
     for group in todo:
         _sgd_group(live, fits, params, state, group, gradients, momentum, fused,
                    weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
@@ -87,8 +109,7 @@ def sgd_gather(
         # All members or none have a momentum buffer once the flat state is made (else the
         # buffer steps per parameter); none: the kernel's first step fills the new one.
         first = momentum and f.members[0] not in state
-        keys = ["momentum_buffer"] if momentum else torch.jit.annotate(List[str], [])
-        ops = flat_operands(f, state, keys, [0.0], [0], groups.pending)
+        ops = flat_operands(f, state, spec, groups.pending)
         if len(ops) == 0:
             _sgd_group(live, fits, params, state, f.members, gradients, momentum, fused,
                        weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
@@ -135,42 +156,52 @@ def _sgd_group(
             if not g.is_same_size(p) or g.dtype != p.dtype or g.device != p.device:
                 refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
             if g.layout != torch.strided:
-                if not g.is_sparse:
-                    refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
-                if weight_decay != 0.0:
-                    sparse_mix(i, f"a sparse gradient with weight_decay={weight_decay}")
-                if nesterov and i in state and not state[i]["momentum_buffer"].is_sparse:
-                    sparse_mix(i, f"a sparse gradient with nesterov=True, and a dense "
-                               f"momentum buffer in state[{i}]")
+                check_sparse_gradient(state, i, g, p, weight_decay, nesterov)
                 sparse_indices.append(i)
             elif momentum and i in state:
                 buf = state[i]["momentum_buffer"]
                 if buf.is_sparse:
                     sparse_mix(i, f"a dense gradient, and a sparse momentum buffer in "
                                f"state[{i}] (from a sparse first step)")
-                later[0].append(p)
-                later[1].append(g)
-                later[2].append(buf)
+                later[Operand.PARAMS.value].append(p)
+                later[Operand.GRADS.value].append(g)
+                later[SGDOperand.MOMENTUM_BUFFER.value].append(buf)
                 if fused and not later_fit:
                     later_fit = not (p.is_contiguous() and g.is_contiguous() and buf.is_contiguous())
             else:
-                first[0].append(p)
-                first[1].append(g)
+                first[Operand.PARAMS.value].append(p)
+                first[Operand.GRADS.value].append(g)
                 if momentum:
                     buf = torch.empty_like(p)
                     first_indices.append(i)
                     first_bufs.append(buf)
-                    first[2].append(buf)
+                    first[SGDOperand.MOMENTUM_BUFFER.value].append(buf)
                 if fused and not first_fit:
                     first_fit = not (p.is_contiguous() and g.is_contiguous())
     if len(group) > 0 and params[group[0]].is_complex():
         # torch.optim steps complex parameters as real pairs (a group is of one dtype).
-        first = real_views(first, [0])
-        later = real_views(later, [0])
+        first = real_views(first, [Place.PARAM_LAYOUT])
+        later = real_views(later, [Place.PARAM_LAYOUT])
     live.append(first)
     live.append(later)
     fits.append(first_fit)
     fits.append(later_fit)
+
+
+def check_sparse_gradient(
+    state: Dict[int, Dict[str, Tensor]], i: int, g: Tensor, p: Tensor, weight_decay: float,
+    nesterov: bool,
+) -> None:
+    """Refuse gradient ``i`` of a layout other than strided unless it is sparse COO, and a
+    sparse one that torch.optim.SGD fails on part-way through its update: with weight decay,
+    or with Nesterov momentum on a dense buffer."""
+    if not g.is_sparse:
+        refuse(state, torch.jit.annotate(List[int], []), i, g, p, "")
+    if weight_decay != 0.0:
+        sparse_mix(i, f"a sparse gradient with weight_decay={weight_decay}")
+    if nesterov and i in state and not state[i]["momentum_buffer"].is_sparse:
+        sparse_mix(i, f"a sparse gradient with nesterov=True, and a dense "
+                   f"momentum buffer in state[{i}]")
 
 
 def sgd_update(
@@ -197,7 +228,8 @@ def sgd_update(
     CPU SGD kernel leaves such parameters of 16 or more elements unchanged (and, with
     momentum, writes wrong buffers), measured against torch.optim's for-loop and float64.
     """
-    params, grads, bufs = ops[0], ops[1], ops[2]
+    params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+    bufs = ops[SGDOperand.MOMENTUM_BUFFER.value]
     if len(params) == 0:
         return
     low = params[0].dtype == torch.float16 or params[0].dtype == torch.bfloat16
@@ -424,9 +456,9 @@ class FunctionalSGD:
         """
         fused = self.use_fused and _all_fused(self.params, gradients)
         route = scaled_route(gradients, grad_scale, found_inf, fused)
-        if route == 0:
+        if route == ScaledRoute.PLAIN:
             self._update(gradients, None, None)
-        elif route == 2:
+        elif route == ScaledRoute.FUSED:
             self._update(gradients, grad_scale, found_inf)
 
     def _update(

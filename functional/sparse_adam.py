@@ -1,4 +1,5 @@
 """Adam for sparse gradients (lazy, row by row), as torch.optim.SparseAdam."""
+import enum
 import math
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -27,7 +28,23 @@ from functional._common import (
     unknown_hyperparameter,
 )
 from functional._flat import layout
-from functional._kernels import add_sparse_, check_spec_state, gather, no_operands, release, scalar_places
+from functional._kernels import (
+    GatherRules,
+    add_sparse_,
+    check_spec_state,
+    gather,
+    no_operands,
+    release,
+)
+from functional._spec import Operand, state_spec
+
+
+class SparseAdamOperand(enum.Enum):
+    """Positions of ``FunctionalSparseAdam``'s state in an operand set (``Operand``)."""
+
+    STEP = 2
+    EXP_AVG = 3
+    EXP_AVG_SQ = 4
 
 
 def sparse_adam_update(
@@ -126,10 +143,8 @@ class FunctionalSparseAdam:
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
         self.groups = layout(params)
-        self.keys = ["step", "exp_avg", "exp_avg_sq"]
-        self.fills = [0.0, 0.0, 0.0]
         # torch.optim.SparseAdam's step is a Python int: a CPU scalar here.
-        self.scalars = scalar_places(self.keys, ["step"], False)
+        self.spec = state_spec(["step", "exp_avg", "exp_avg_sq"], [0.0, 0.0, 0.0], ["step"], False)
         self.live = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
@@ -151,7 +166,7 @@ class FunctionalSparseAdam:
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError (``checked_state``)."""
-        return check_spec_state(self.params, state, self.keys, self.fills, self.scalars)
+        return check_spec_state(self.params, state, self.spec)
 
     def set_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Replace the whole state, checked first (``check_state``): a bad one changes nothing."""
@@ -173,16 +188,20 @@ class FunctionalSparseAdam:
         """
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            gather(
-                self.live, self.params, self.state, self.groups, gradients, self.keys,
-                self.fills, self.scalars, "sparse",
+            rules = GatherRules(
+                self.spec, "sparse",
                 "SparseAdam does not support dense gradients, please consider Adam instead",
                 False,
             )
+            gather(self.live, self.params, self.state, self.groups, gradients, rules)
             for ops in self.live:
-                for j in range(len(ops[0])):
+                params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
+                steps = ops[SparseAdamOperand.STEP.value]
+                exp_avgs = ops[SparseAdamOperand.EXP_AVG.value]
+                exp_avg_sqs = ops[SparseAdamOperand.EXP_AVG_SQ.value]
+                for j in range(len(params)):
                     sparse_adam_update(
-                        ops[0][j], ops[1][j], ops[2][j], ops[3][j], ops[4][j], lr,
+                        params[j], grads[j], steps[j], exp_avgs[j], exp_avg_sqs[j], lr,
                         self.betas[0], self.betas[1], self.eps, self.maximize,
                     )
             release(self.live, self.groups)

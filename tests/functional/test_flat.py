@@ -18,6 +18,7 @@ from functional import (
     script_optimizer,
     to_torch_state_dict,
 )
+from functional._flat import GradientFill
 from tests.helpers import ATOL, RTOL
 
 from .case import Case
@@ -339,9 +340,9 @@ def test_a_refused_first_step_makes_no_flat_state(compiled: bool):
 
 
 FILLS = [
-    ("1-D members: one cat", [(32,), (5,), (7,)], 0),
-    ("any shapes: one _chunk_cat", [(5, 3), (4,), (2, 3, 2)], 1),
-    ("a 0-dim member: foreach copy", [(5, 3), (), (4,)], 2),
+    ("1-D members: one cat", [(32,), (5,), (7,)], GradientFill.CAT),
+    ("any shapes: one _chunk_cat", [(5, 3), (4,), (2, 3, 2)], GradientFill.CHUNK_CAT),
+    ("a 0-dim member: foreach copy", [(5, 3), (), (4,)], GradientFill.COPY),
 ]
 
 

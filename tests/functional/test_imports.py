@@ -4,7 +4,7 @@ Besides torch and typing it may use a few standard-library modules that every Py
 (math in TorchScript-compiled code, threading for the compile lock, copy and inspect for the
 state_dict conversion, functools and numbers for the constructors' argument checks, logging,
 os, sys, hashlib, time and fcntl for building the native ops under an OS lock, warnings and contextlib to compile without torch's
-deprecation warnings); anything else, and any of torch.distributed, fails this
+deprecation warnings, enum for the named constants TorchScript folds); anything else, and any of torch.distributed, fails this
 test.
 """
 import ast
@@ -14,7 +14,7 @@ import functional
 
 ALLOWED_ROOTS = {
     "torch", "typing", "functional", "math", "threading", "copy", "inspect", "functools", "numbers",
-    "logging", "os", "sys", "hashlib", "time", "fcntl", "warnings", "contextlib",
+    "logging", "os", "sys", "hashlib", "time", "fcntl", "warnings", "contextlib", "enum",
 }
 
 
