@@ -21,7 +21,7 @@ from distopt.errors import returns_failure
 from distopt.fanout import fan_out
 from distopt.placement import OwnerPart
 from functional._compile import script
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 
 
 # ---------------------------------------------------------------- trainer side
@@ -177,7 +177,7 @@ def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> Tensor:
     for g in grads:
         dense.append(g.coalesce().values() if g.is_sparse else g)
     out: List[Tensor] = [torch.empty(0) for _ in dense]
-    for group in layout(dense).dense:
+    for group in device_dtype_groups(dense).dense:
         members = [dense[k] for k in group]
         if foreach:
             norms = torch._foreach_norm(members, norm_type)
@@ -192,7 +192,7 @@ def _grad_norms(grads: List[Tensor], norm_type: float, foreach: bool) -> Tensor:
 def _scale(grads: List[Tensor], coef: Tensor, foreach: bool) -> None:
     """Multiply by ``coef`` (a CPU scalar from the trainer), copied once to each group's
     device."""
-    for group in layout(grads).dense:
+    for group in device_dtype_groups(grads).dense:
         members = [grads[k] for k in group]
         here = coef.to(members[0].device)
         if foreach:
@@ -203,7 +203,7 @@ def _scale(grads: List[Tensor], coef: Tensor, foreach: bool) -> None:
 
 
 def _clamp(grads: List[Tensor], clip_value: float, foreach: bool) -> None:
-    for group in layout(grads).dense:
+    for group in device_dtype_groups(grads).dense:
         members = [grads[k] for k in group]
         if foreach:
             torch._foreach_clamp_min_(members, -clip_value)

@@ -23,7 +23,7 @@ from functional._common import dtype_name, layout_name
 from functional._compile import script
 from functional._kernels import unscale_gradients
 from functional._state import (
-    checked_state,
+    checked_by,
     functional_state,
     group_keys,
     hyperparameter_values,
@@ -550,7 +550,7 @@ class CompiledSteps:
             view = _GroupView(self.module, j)
             part = {k: state[i] for k, i in enumerate(indices) if i in state}
             try:
-                checked_state(view, functional_state(view, part, copy=False))
+                checked_by(view, functional_state(view, part, copy=False))
             except ValueError as exc:
                 raise ValueError(_global_indices(str(exc), indices)) from None
 

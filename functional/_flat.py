@@ -110,9 +110,9 @@ class Groups(object):
         self.pending: List[Tensor] = []
 
 
-def layout(params: List[Tensor]) -> Groups:
+def device_dtype_groups(params: List[Tensor]) -> Groups:
     """Every parameter stepped per parameter, grouped by (device, dtype) in first-seen order
-    (a class's starting layout; ``flatten_parameters`` replaces it)."""
+    (a class's starting grouping; ``flatten_parameters`` replaces it)."""
     keys: List[str] = []
     groups: Dict[str, List[int]] = {}
     for i in range(len(params)):
@@ -509,7 +509,7 @@ def flatten_parameters(
         flats.append(FlatBuffer(
             members, [params[i] for i in members], views, offsets, buf
         ))
-    dense = [[i for i in group if i not in flat_members] for group in layout(params).dense]
+    dense = [[i for i in group if i not in flat_members] for group in device_dtype_groups(params).dense]
     optim.groups = Groups([g for g in dense if g], flats)
     return optim
 

@@ -15,7 +15,7 @@ Two TorchScript limits (torch 2.13) are handled here, once:
 
 - In-place foreach and fused kernels whose tensor lists were built inside a compiled method
   are removed as dead code, although they write to parameters and state. ``gather`` writes
-  the operand lists into the caller's ``live`` attribute, where the compiler sees them
+  the operand lists into the caller's ``operand_sets`` attribute, where the compiler sees them
   escape; ``release`` empties it after the update. A class cannot forget it: ``gather``
   takes the attribute as its first argument.
 - Identical ``zeros_like(p)`` calls are merged by common-subexpression elimination, and
@@ -141,30 +141,30 @@ class GatherPass(NamedTuple):
     """One gathering pass's results so far, filled by ``_gather_groups``.
 
     Attributes:
-        live: the operand sets (the class's ``live`` attribute).
+        operand_sets: the operand sets (the class's ``operand_sets`` attribute).
         fits: per operand set, whether ``fit_fused_layouts`` must run.
         created: the parameters given new state in this pass (removed again on a refusal).
         sparse_ops: the one operand set of parameters with a sparse gradient (kinds "both").
     """
 
-    live: List[List[List[Tensor]]]
+    operand_sets: List[List[List[Tensor]]]
     fits: List[bool]
     created: List[int]
     sparse_ops: List[List[Tensor]]
 
 
 def gather(
-    live: List[List[List[Tensor]]],
+    operand_sets: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
     groups: Groups,
     gradients: List[Optional[Tensor]],
     rules: GatherRules,
 ) -> List[bool]:
-    """Check every gradient, create missing state, and put the operands in ``live``.
+    """Check every gradient, create missing state, and put the operands in ``operand_sets``.
 
-    One pass over the parameters. ``live`` (the class's attribute, see the module note) is
-    filled with one operand set per (device, dtype) group of ``groups.dense``: ``[params,
+    One pass over the parameters. ``operand_sets`` (the class's attribute, see the module
+    note) is filled with one operand set per (device, dtype) group of ``groups.dense``: ``[params,
     grads, state[keys[0]], state[keys[1]], ...]`` (positions named by ``Operand``) of the
     parameters whose gradient is not None, plus one set of the parameters with a sparse
     gradient when ``rules.kinds`` is "both". A parameter without state gets
@@ -184,10 +184,10 @@ def gather(
             removed again, so nothing has changed.
     """
     check_length(params, gradients)
-    live.clear()
+    operand_sets.clear()
     groups.pending.clear()
     out = GatherPass(
-        live, torch.jit.annotate(List[bool], []), torch.jit.annotate(List[int], []),
+        operand_sets, torch.jit.annotate(List[bool], []), torch.jit.annotate(List[int], []),
         new_operands(len(rules.spec.keys)),
     )
     todo, whole = split_flats(groups, gradients, rules.kinds)
@@ -200,10 +200,10 @@ def gather(
         if len(ops) == 0:
             _gather_groups(out, params, state, gradients, [f.members], rules)
         else:
-            live.append(ops)
+            operand_sets.append(ops)
             out.fits.append(False)
     if rules.kinds == "both":
-        live.append(out.sparse_ops)
+        operand_sets.append(out.sparse_ops)
         out.fits.append(False)
     return out.fits
 
@@ -217,9 +217,9 @@ def _gather_groups(
     rules: GatherRules,
 ) -> None:
     """``gather``'s per-parameter pass over the index groups ``todo``: one operand set each
-    into ``out.live`` (and its fit into ``out.fits``), sparse gradients into
+    into ``out.operand_sets`` (and its fit into ``out.fits``), sparse gradients into
     ``out.sparse_ops``."""
-    live, fits, created = out.live, out.fits, out.created
+    operand_sets, fits, created = out.operand_sets, out.fits, out.created
     spec, refusal, fused = rules.spec, rules.refusal, rules.fused
     keys = spec.keys
     n = len(keys)
@@ -273,9 +273,10 @@ def _gather_groups(
                         and (klay == "" or entry[klay].is_contiguous())
                     )
         if len(group) > 0 and params[group[0]].is_complex():
-            # A group is of one dtype (``_flat.layout``; flat buffers are never complex).
+            # A group is of one dtype (``_flat.device_dtype_groups``; flat buffers are never
+            # complex).
             ops = real_views(ops, spec.places)
-        live.append(ops)
+        operand_sets.append(ops)
         fits.append(fit)
 
 
@@ -361,15 +362,15 @@ def refuse(
     raise RuntimeError(refusal)
 
 
-def release(live: List[List[List[Tensor]]], groups: Groups) -> None:
-    """After the update: drop the operand lists (the references ``gather`` put in ``live``)
+def release(operand_sets: List[List[List[Tensor]]], groups: Groups) -> None:
+    """After the update: drop the operand lists (the references ``gather`` put in ``operand_sets``)
     and spread the flat buffers' advanced scalar state to all their members."""
-    live.clear()
+    operand_sets.clear()
     spread(groups)
 
 
 def no_operands() -> List[List[List[Tensor]]]:
-    """An empty ``live`` attribute for a class's constructor."""
+    """An empty ``operand_sets`` attribute for a class's constructor."""
     return torch.jit.annotate(List[List[List[Tensor]]], [])
 
 

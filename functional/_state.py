@@ -178,7 +178,7 @@ def load_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any
             )
         check_hyperparameter(torch_cls, key, new, "state_dict")
         changes[key] = hyperparameter_values(key, new)
-    state = checked_state(optim, functional_state(obj, state_dict["state"]))
+    state = checked_by(optim, functional_state(obj, state_dict["state"]))
     for key, value in changes.items():
         optim.set_hyperparameter(key, value)
     optim.set_state(state)
@@ -215,7 +215,7 @@ def functional_state(
     return state
 
 
-def checked_state(
+def checked_by(
     optim: Any, state: Dict[int, Dict[str, Tensor]]
 ) -> Dict[int, Dict[str, Tensor]]:
     """``optim.check_state(state)`` (nothing changes), with a compiled optimizer's error

@@ -25,7 +25,7 @@ from functional._common import (
     step_lr,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     check_spec_state,
@@ -171,12 +171,12 @@ class FunctionalAdadelta:
         self.maximize = bool(maximize)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         self.spec = state_spec(
             ['step', 'square_avg', 'acc_delta'], [0.0, 0.0, 0.0], ["step"], self.capturable
         )
         self.native = native_kernels(foreach, self.capturable)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, rho, eps, weight_decay).
@@ -225,10 +225,10 @@ class FunctionalAdadelta:
             rules = GatherRules(
                 self.spec, "dense", "Adadelta does not support sparse gradients", False
             )
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for s in range(len(self.live)):
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for s in range(len(self.operand_sets)):
                 adadelta_update(
-                    self.live[s], lr, self.rho, self.maximize, self.weight_decay, self.eps, lr_t,
+                    self.operand_sets[s], lr, self.rho, self.maximize, self.weight_decay, self.eps, lr_t,
                     self.native,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)

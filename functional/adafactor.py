@@ -29,7 +29,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
-from functional._flat import Groups, layout
+from functional._flat import Groups, device_dtype_groups
 from functional._kernels import (
     check_length,
     increment_steps,
@@ -80,7 +80,7 @@ def adafactor_state(p: Tensor) -> Dict[str, Tensor]:
 
 
 def adafactor_gather(
-    live: List[List[List[Tensor]]],
+    operand_sets: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
     groups: Groups,
@@ -88,9 +88,9 @@ def adafactor_gather(
 ) -> None:
     """``_kernels.gather`` for Adafactor, whose state depends on a parameter's shape: per
     group, the operand sets ``[params, grads, steps, row_vars, col_vars]`` of matrices and
-    ``[params, grads, steps, variances, variances]`` of the rest, into ``live``."""
+    ``[params, grads, steps, variances, variances]`` of the rest, into ``operand_sets``."""
     check_length(params, gradients)
-    live.clear()
+    operand_sets.clear()
     created: List[int] = []
     for group in groups.dense:  # Adafactor is never flattened: no flat buffers
         mat = new_operands(3)
@@ -126,8 +126,8 @@ def adafactor_gather(
                 ops[AdafactorOperand.STEP.value].append(entry["step"])
                 ops[AdafactorOperand.FIRST.value].append(entry[first])
                 ops[AdafactorOperand.SECOND.value].append(entry[second])
-        live.append(mat)
-        live.append(vec)
+        operand_sets.append(mat)
+        operand_sets.append(vec)
 
 
 @native_op
@@ -318,9 +318,9 @@ class FunctionalAdafactor:
         self.foreach = optional_flag(foreach)
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         self.native = native_kernels(foreach, False, exact=False)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, beta2_decay, eps, d, weight_decay).
@@ -377,14 +377,14 @@ class FunctionalAdafactor:
         """
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
-            adafactor_gather(self.live, self.params, self.state, self.groups, gradients)
+            adafactor_gather(self.operand_sets, self.params, self.state, self.groups, gradients)
             eps1 = self._epsilon1(gradients)
-            for s in range(len(self.live)):
+            for s in range(len(self.operand_sets)):
                 adafactor_update(
-                    self.live[s], lr, eps1, self.eps[1], self.beta2_decay, self.d,
+                    self.operand_sets[s], lr, eps1, self.eps[1], self.beta2_decay, self.d,
                     self.weight_decay, self.maximize, s % 2 == 0, self.native,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)
 
     def _epsilon1(self, gradients: List[Optional[Tensor]]) -> float:
         # torch.optim resolves eps1=None once per step, from the first parameter it updates.

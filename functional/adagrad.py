@@ -28,7 +28,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     add_sparse_,
@@ -235,8 +235,8 @@ class FunctionalAdagrad:
         self.fused = optional_flag(fused)
         self.use_fused = use_fused_kernel(foreach, fused) and fused_devices_ok(params)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
-        self.live = no_operands()
+        self.groups = device_dtype_groups(params)
+        self.operand_sets = no_operands()
         self.places = scalar_places(["step", "sum"], ["step"], self.use_fused)
         # torch.optim.Adagrad creates every parameter's state in its constructor.
         spec = self._spec()
@@ -326,18 +326,18 @@ class FunctionalAdagrad:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
             rules = GatherRules(self._spec(), "both", "", self.use_fused)
-            fits = gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            sparse_ops = self.live[len(fits) - 1]
+            fits = gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            sparse_ops = self.operand_sets[len(fits) - 1]
             if self.weight_decay != 0.0 and len(sparse_ops[Operand.PARAMS.value]) > 0:
-                release(self.live, self.groups)  # before any parameter changes (torch.optim's message)
+                release(self.operand_sets, self.groups)  # before any parameter changes (torch.optim's message)
                 raise RuntimeError("weight_decay option is not compatible with sparse gradients")
             for s in range(len(fits) - 1):
                 adagrad_update(
-                    self.live[s], fits[s], lr, self.lr_decay, self.weight_decay, self.eps,
+                    self.operand_sets[s], fits[s], lr, self.lr_decay, self.weight_decay, self.eps,
                     self.maximize, self.use_fused, grad_scale, found_inf,
                 )
             adagrad_sparse_update(sparse_ops, lr, self.lr_decay, self.eps, self.maximize)
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)
 
     def fills(self) -> List[float]:
         """``new_state``'s values: ``sum`` starts at ``initial_accumulator_value``."""

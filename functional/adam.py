@@ -38,7 +38,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     ScaledRoute,
@@ -284,8 +284,8 @@ class FunctionalAdam:
             keys, [0.0 for _ in keys], ["step"], self.capturable or self.use_fused
         )
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
-        self.live = no_operands()
+        self.groups = device_dtype_groups(params)
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
@@ -365,15 +365,15 @@ class FunctionalAdam:
                 "Adam does not support sparse gradients, please consider SparseAdam instead",
                 self.use_fused,
             )
-            fits = gather(self.live, self.params, self.state, self.groups, gradients, rules)
+            fits = gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
             for g in range(len(fits)):
                 adam_update(
-                    self.live[g], fits[g], lr, beta1, beta2, self.eps,
+                    self.operand_sets[g], fits[g], lr, beta1, beta2, self.eps,
                     self.weight_decay, self.amsgrad, self.maximize,
                     self.decoupled_weight_decay, self.use_fused, self.capturable, lr_t,
                     grad_scale, found_inf,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)
 
 
 def FunctionalAdamW(

@@ -26,7 +26,7 @@ from functional._common import (
     step_lr,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     adam_step_sizes,
@@ -183,12 +183,12 @@ class FunctionalAdamax:
         self.differentiable = bool(differentiable)
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         self.spec = state_spec(
             ['step', 'exp_avg', 'exp_inf'], [0.0, 0.0, 0.0], ["step"], self.capturable
         )
         self.native = native_kernels(foreach, self.capturable)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps, weight_decay).
@@ -238,10 +238,10 @@ class FunctionalAdamax:
             rules = GatherRules(
                 self.spec, "dense", "Adamax does not support sparse gradients", False
             )
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for s in range(len(self.live)):
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for s in range(len(self.operand_sets)):
                 adamax_update(
-                    self.live[s], lr, self.betas, self.maximize, self.weight_decay, self.eps,
+                    self.operand_sets[s], lr, self.betas, self.maximize, self.weight_decay, self.eps,
                     self.capturable, lr_t, self.native,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)

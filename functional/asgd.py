@@ -24,7 +24,7 @@ from functional._common import (
     step_lr,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     check_spec_state,
@@ -217,13 +217,13 @@ class FunctionalASGD:
         self.differentiable = bool(differentiable)
         self.capturable = bool(capturable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         # torch.optim.ASGD keeps all three on the parameter's device, capturable or not.
         self.spec = state_spec(
             ['step', 'eta', 'mu', 'ax'], [0.0, 0.0, 1.0, 0.0], ["step", "eta", "mu"], True
         )
         self.native = native_kernels(foreach, self.capturable)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, lambd, alpha, t0, weight_decay).
@@ -277,10 +277,10 @@ class FunctionalASGD:
         with torch.no_grad():
             spec = StateSpec(self.spec.keys, [0.0, lr, 1.0, 0.0], self.spec.places)
             rules = GatherRules(spec, "dense", "ASGD does not support sparse gradients", False)
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for s in range(len(self.live)):
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for s in range(len(self.operand_sets)):
                 asgd_update(
-                    self.live[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha,
+                    self.operand_sets[s], lr, self.lambd, self.maximize, self.weight_decay, self.alpha,
                     self.t0, self.capturable, lr_t, self.native,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)

@@ -25,7 +25,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import GatherRules, check_spec_state, gather, no_operands, release
 from functional._spec import Operand, Place, StateSpec
 
@@ -178,9 +178,9 @@ class FunctionalMuon:
         self.ns_steps = ns_steps
         self.adjust_lr_fn = adjust_lr_fn
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         self.spec = StateSpec(["momentum_buffer"], [0.0], [Place.PARAM_LAYOUT])
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, weight_decay, momentum, eps,
@@ -239,10 +239,10 @@ class FunctionalMuon:
             rules = GatherRules(
                 self.spec, "dense", "Muon does not support sparse gradients", False
             )
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for s in range(len(self.live)):
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for s in range(len(self.operand_sets)):
                 muon_update(
-                    self.live[s], self.lr, self.weight_decay, self.momentum, self.nesterov,
+                    self.operand_sets[s], self.lr, self.weight_decay, self.momentum, self.nesterov,
                     self.ns_coefficients, self.ns_steps, self.eps, self.adjust_lr_fn,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)

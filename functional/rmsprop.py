@@ -24,7 +24,7 @@ from functional._common import (
     step_lr,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     check_spec_state,
@@ -230,10 +230,10 @@ class FunctionalRMSprop:
         self.maximize = bool(maximize)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         self.spec = rmsprop_spec(self.momentum, self.centered, self.capturable)
         self.native = native_kernels(foreach, self.capturable)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, alpha, eps, weight_decay, momentum).
@@ -303,10 +303,10 @@ class FunctionalRMSprop:
             rules = GatherRules(
                 self.spec, "dense", "RMSprop does not support sparse gradients", False
             )
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for s in range(len(self.live)):
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for s in range(len(self.operand_sets)):
                 rmsprop_update(
-                    self.live[s], lr, self.alpha, self.maximize, self.weight_decay,
+                    self.operand_sets[s], lr, self.alpha, self.maximize, self.weight_decay,
                     self.centered, self.eps, self.momentum, lr_t, self.native,
                 )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)

@@ -24,7 +24,7 @@ from functional._common import (
     step_lr,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     check_spec_state,
@@ -169,12 +169,12 @@ class FunctionalRprop:
         self.maximize = bool(maximize)
         self.differentiable = bool(differentiable)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         self.spec = state_spec(
             ['step', 'prev', 'step_size'], [0.0, 0.0, 0.0], ["step"], self.capturable
         )
         self.native = native_kernels(foreach, self.capturable)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, etas, step_sizes).
@@ -222,7 +222,7 @@ class FunctionalRprop:
         with torch.no_grad():
             spec = StateSpec(self.spec.keys, [0.0, 0.0, lr], self.spec.places)
             rules = GatherRules(spec, "dense", "Rprop does not support sparse gradients", False)
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for s in range(len(self.live)):
-                rprop_update(self.live[s], self.etas, self.step_sizes, self.maximize, self.native)
-            release(self.live, self.groups)
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for s in range(len(self.operand_sets)):
+                rprop_update(self.operand_sets[s], self.etas, self.step_sizes, self.maximize, self.native)
+            release(self.operand_sets, self.groups)

@@ -30,7 +30,7 @@ from functional._common import (
     unknown_hyperparameter,
     use_fused_kernel,
 )
-from functional._flat import Groups, flat_operands, layout, split_flats
+from functional._flat import Groups, flat_operands, device_dtype_groups, split_flats
 from functional._kernels import (
     add_sparse_,
     check_length,
@@ -68,7 +68,7 @@ def momentum_spec(momentum: bool) -> StateSpec:
 
 
 def sgd_gather(
-    live: List[List[List[Tensor]]],
+    operand_sets: List[List[List[Tensor]]],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
     groups: Groups,
@@ -91,7 +91,7 @@ def sgd_gather(
         torch.optim does).
     """
     check_length(params, gradients)
-    live.clear()
+    operand_sets.clear()
     groups.pending.clear()
     fits: List[bool] = []
     first_indices: List[int] = []
@@ -100,7 +100,7 @@ def sgd_gather(
     todo, whole = split_flats(groups, gradients, "both")
     spec = momentum_spec(momentum)
     for group in todo:
-        _sgd_group(live, fits, params, state, group, gradients, momentum, fused,
+        _sgd_group(operand_sets, fits, params, state, group, gradients, momentum, fused,
                    weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
     # Flat buffers last: every gradient is accepted by now, so their state (made flat here)
     # never needs undoing.
@@ -111,21 +111,21 @@ def sgd_gather(
         first = momentum and f.members[0] not in state
         ops = flat_operands(f, state, spec, groups.pending)
         if len(ops) == 0:
-            _sgd_group(live, fits, params, state, f.members, gradients, momentum, fused,
+            _sgd_group(operand_sets, fits, params, state, f.members, gradients, momentum, fused,
                        weight_decay, nesterov, first_indices, first_bufs, sparse_indices)
             continue
         if not momentum:
             ops.append(torch.jit.annotate(List[Tensor], []))
         empty = new_operands(1)
-        live.append(ops if first else empty)
-        live.append(empty if first else ops)
+        operand_sets.append(ops if first else empty)
+        operand_sets.append(empty if first else ops)
         fits.append(False)
         fits.append(False)
     return fits, first_indices, first_bufs, sparse_indices
 
 
 def _sgd_group(
-    live: List[List[List[Tensor]]],
+    operand_sets: List[List[List[Tensor]]],
     fits: List[bool],
     params: List[Tensor],
     state: Dict[int, Dict[str, Tensor]],
@@ -182,8 +182,8 @@ def _sgd_group(
         # torch.optim steps complex parameters as real pairs (a group is of one dtype).
         first = real_views(first, [Place.PARAM_LAYOUT])
         later = real_views(later, [Place.PARAM_LAYOUT])
-    live.append(first)
-    live.append(later)
+    operand_sets.append(first)
+    operand_sets.append(later)
     fits.append(first_fit)
     fits.append(later_fit)
 
@@ -389,8 +389,8 @@ class FunctionalSGD:
         self.fused = optional_flag(fused)
         self.use_fused = use_fused_kernel(foreach, fused)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
-        self.live = no_operands()
+        self.groups = device_dtype_groups(params)
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, momentum, dampening, weight_decay).
@@ -470,12 +470,12 @@ class FunctionalSGD:
         lr = lr_of(self.lr, self.lr_tensor)
         with torch.no_grad():
             fits, first_indices, first_bufs, sparse_indices = sgd_gather(
-                self.live, self.params, self.state, self.groups, gradients,
+                self.operand_sets, self.params, self.state, self.groups, gradients,
                 self.momentum != 0.0, self.use_fused, self.weight_decay, self.nesterov,
             )
             for s in range(len(fits)):
                 sgd_update(
-                    self.live[s], fits[s], s % 2 == 0, lr, self.momentum, self.dampening,
+                    self.operand_sets[s], fits[s], s % 2 == 0, lr, self.momentum, self.dampening,
                     self.weight_decay, self.nesterov, self.maximize, self.use_fused,
                     grad_scale, found_inf,
                 )
@@ -485,7 +485,7 @@ class FunctionalSGD:
             if not skipped:  # a skipped first step's new buffers were never written
                 for k in range(len(first_indices)):
                     self.state[first_indices[k]] = {"momentum_buffer": first_bufs[k]}
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)
             for i in sparse_indices:
                 grad = gradients[i]
                 assert grad is not None

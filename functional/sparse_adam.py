@@ -27,7 +27,7 @@ from functional._common import (
     scalar,
     unknown_hyperparameter,
 )
-from functional._flat import layout
+from functional._flat import device_dtype_groups
 from functional._kernels import (
     GatherRules,
     add_sparse_,
@@ -142,10 +142,10 @@ class FunctionalSparseAdam:
         self.eps = float(eps)
         self.maximize = bool(maximize)
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
-        self.groups = layout(params)
+        self.groups = device_dtype_groups(params)
         # torch.optim.SparseAdam's step is a Python int: a CPU scalar here.
         self.spec = state_spec(["step", "exp_avg", "exp_avg_sq"], [0.0, 0.0, 0.0], ["step"], False)
-        self.live = no_operands()
+        self.operand_sets = no_operands()
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
         """Change a hyper-parameter between steps (lr, betas, eps).
@@ -193,8 +193,8 @@ class FunctionalSparseAdam:
                 "SparseAdam does not support dense gradients, please consider Adam instead",
                 False,
             )
-            gather(self.live, self.params, self.state, self.groups, gradients, rules)
-            for ops in self.live:
+            gather(self.operand_sets, self.params, self.state, self.groups, gradients, rules)
+            for ops in self.operand_sets:
                 params, grads = ops[Operand.PARAMS.value], ops[Operand.GRADS.value]
                 steps = ops[SparseAdamOperand.STEP.value]
                 exp_avgs = ops[SparseAdamOperand.EXP_AVG.value]
@@ -204,4 +204,4 @@ class FunctionalSparseAdam:
                         params[j], grads[j], steps[j], exp_avgs[j], exp_avg_sqs[j], lr,
                         self.betas[0], self.betas[1], self.eps, self.maximize,
                     )
-            release(self.live, self.groups)
+            release(self.operand_sets, self.groups)
