@@ -112,14 +112,14 @@ class DataParallelEngine:
                  outside: List[Tensor]) -> None:
         self._surface = weakref.ref(surface)
         self.name = type(surface).__name__
-        self.options = options
         (self.process_group, self.rank, self.world_size, self.compression, self.sync,
          self.overlap, self.shard, self.module, self.broadcast_buffers,
-         self.backward_passes_per_step, self.cap_bytes, self.first_cap_bytes, _) = options
+         self.backward_passes_per_step, self.cap_bytes, self.first_cap_bytes,
+         rebuild_buckets) = options
         self.optimizer_class = surface.optimizer_class
         self.hyper_keys = [k for k in surface.param_groups[0] if k != "params"]
         self.eager = eager
-        self.status = StepStatus(options.overlap and eager is None, options.rebuild_buckets)
+        self.status = StepStatus(options.overlap and eager is None)
         self.join = _join.JoinState()
         self.units = CompiledUnits(self.optimizer_class, self.hyper_keys)
         #: What builds the compiled steps: the arguments and each group's options as given.
@@ -136,7 +136,7 @@ class DataParallelEngine:
         self._cut(outside)
         self.built = built_groups(self.name, self.param_groups, self.hyper_keys,
                                   self.optimizer_class)
-        self._start()
+        self._start(rebuild_buckets)
 
     # ------------------------------------------------------------ construction
 
@@ -168,7 +168,7 @@ class DataParallelEngine:
             self.trained = [all_params[i] for i in trained]
             self.partitions = partition(self.trained, self.sync.k)
 
-    def _start(self) -> None:
+    def _start(self, rebuild_buckets: bool) -> None:
         """The reducer and its group, the claims, the hooks and the records."""
         group = self.process_group
         if self.sync is None and self.buckets:
@@ -182,8 +182,8 @@ class DataParallelEngine:
                 self.comm_group = group
             self.reduction = self.scheme.bound(self.comm_group, self.rank, self.world_size,
                                                self.buckets)
-            self.reducer = self._new_reducer(record=self.options.rebuild_buckets)
-        self.status.rebuild_pending = self.options.rebuild_buckets and self.reducer is not None
+            self.reducer = self._new_reducer(record=rebuild_buckets)
+        self.status.rebuild_pending = rebuild_buckets and self.reducer is not None
         all_params = [p for g in self.param_groups for p in g["params"]]
         weakref.finalize(self.surface, _freed, self.status)
         teardown.claim(all_params, self)
@@ -346,10 +346,10 @@ class DataParallelEngine:
         """The reduced window: refused (``_REFUSALS``), or its buckets stepped if backward
         did not step them."""
         stepped, poisoned = self.status.in_backward, self.reducer.poisoned
+        if stepped and scaling is not None:  # refused below: the next step waits for it
+            self.status.stepped(scaled=True)
         for refused, message in _REFUSALS:
             if refused(self, scaling, stepped, poisoned):
-                if stepped and scaling is not None:
-                    self.status.stepped(scaled=True)  # the next step waits for the scaler
                 raise RuntimeError(message.format(poisoned=poisoned))
         if stepped and poisoned is None and not self.reducer.broken:
             self._check_grads_kept()
@@ -445,12 +445,6 @@ class DataParallelEngine:
                 and (v.is_floating_point() or v.is_complex())]
 
     # ------------------------------------------------------------ checks
-
-    def steps_in_backward(self) -> bool:
-        """Whether this window's buckets step (or will step) during backward."""
-        if self.reducer is not None and self.reducer.reducing:
-            return self.status.in_backward
-        return self.status.steps_in_backward()
 
     def _edited_grads(self) -> List[int]:
         """The parameters (global indices) whose ``.grad`` was replaced, set to None or

@@ -49,11 +49,11 @@ class StepStatus:
 
     __slots__ = ("overlap", "in_backward", "fresh", "rebuild_pending", "closed", "generation")
 
-    def __init__(self, overlaps: bool, rebuild_pending: bool) -> None:
+    def __init__(self, overlaps: bool) -> None:
         self.overlap = Overlap.FIRST_STEP if overlaps else Overlap.OFF
         self.in_backward = False
         self.fresh = True
-        self.rebuild_pending = rebuild_pending
+        self.rebuild_pending = False  # set once the reducer exists
         self.closed = False
         self.generation = 0
 

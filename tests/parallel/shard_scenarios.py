@@ -194,7 +194,7 @@ def features(rank: int, world_size: int) -> Dict[str, Any]:
     out["odd"] = {
         shard: bool(torch.equal(results[shard][0], results[None][0]))
         and identical(results[shard][1]["state"], results[None][1]["state"])
-        # model[2] (skipped by the forward above) and ``idle`` have no state
+        # model[2] (bypassed by the forward above) and ``idle`` have no state
         and sorted(results[shard][1]["state"]) == [0, 1, 4, 5, 6, 7]
         for shard in ("param", "flat")
     }
