@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distopt.optim import Adam8bit, AdamW4bit, AdamW8bit
 from distopt.parallel import DataParallelOptimizer
+from distopt.parallel.hooks import optimizer_hook
 from tests.helpers import identical
 from tests.parallel.training import flat_params, whole_state_dict
 
@@ -83,6 +84,14 @@ def parity(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                 # whole_state_dict consolidated every rank's pieces on every rank
                 torch.save(opt.state_dict(), os.path.join(path, f"w{world_size}.pt"))
             opt.close()
+        model = make_model()
+        hooked = DDP(model)
+        opt = optimizer_hook(hooked, cls, groups(model), lr=1e-2)
+        train(model, opt, rank, wrapped=hooked)
+        out[f"{name}/hook"] = {
+            "exact": bool(torch.equal(flat_params(model), ref_params)),
+            "state_exact": identical(opt.state_dict()["state"], ref_state),
+        }
     return out
 
 

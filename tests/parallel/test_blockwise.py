@@ -2,7 +2,8 @@
 DDP + the class itself, bit for bit, unsharded and with ``shard="param"`` and ``"flat"`` on
 2 ranks, and sharded equal to unsharded on 2 and 3 (parameters and the gathered state, codes
 and scales included); a state saved on 2 ranks loads on 3 in every mode; ``shard="flat"``
-cuts quantised weights at block boundaries, and refuses groups of different block sizes."""
+cuts quantised weights at block boundaries, and refuses groups of different block sizes.
+The DDP hooks (``optimizer_hook``) step them during backward, equal to DDP + the class."""
 import pytest
 
 from tests.parallel import blockwise_scenarios as scenarios
@@ -27,6 +28,14 @@ def test_equal_to_ddp_and_the_class_itself(saved, world_size, name, shard):
         assert got["state_exact_unsharded"], f"rank {rank}: state differs from shard=None"
         assert "torch.uint8" in got["dtypes"] and "torch.float32" in got["dtypes"]
         assert got["cut_inside"] == (shard == "flat")
+
+
+@pytest.mark.parametrize("name", list(scenarios.CLASSES))
+def test_ddp_hook_steps_equal_to_ddp_and_the_class_itself(saved, name):
+    """``optimizer_hook(ddp, cls, ...)``: each bucket stepped during backward by the twin."""
+    for rank, res in enumerate(saved[1][2]):
+        assert res[f"{name}/hook"]["exact"], f"rank {rank}: parameters differ"
+        assert res[f"{name}/hook"]["state_exact"], f"rank {rank}: state differs"
 
 
 def test_state_saved_on_two_ranks_loads_on_three(worlds, saved):
