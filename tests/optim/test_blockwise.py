@@ -101,6 +101,25 @@ def test_adamw4bit_against_torchao():
     assert (oa.state[a]["exp_avg"] == theirs).float().mean().item() > 0.95
 
 
+def test_4bit_codes_are_torchaos_encoding():
+    """From zero state one step leaves ``exp_avg = (1 - beta1) * g``; its codes and scales
+    equal torchao's ``quantize_4bit_with_qmap`` of it, packed as torchao packs them."""
+    from torchao.optim.quant_utils import quantize_4bit_with_qmap, scale_tensor
+
+    torch.manual_seed(0)
+    n = 128 * 37 + 5
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = AdamW4bit([p], lr=1e-2)
+    opt.step()
+    whole = (n // 128) * 128
+    scaled, scale = scale_tensor((0.1 * p.grad)[:whole], 128)
+    codes = quantize_4bit_with_qmap(scaled, code_books(4)[0])
+    state = opt.state[p]
+    assert torch.equal(state["exp_avg"][: whole // 2], (codes[::2] << 4) | codes[1::2])
+    assert torch.equal(state["exp_avg_absmax"][: whole // 128], scale)
+
+
 def test_state_bytes_per_parameter():
     n = 4 * 1024 * 1024
     p = torch.nn.Parameter(torch.zeros(n))
