@@ -250,3 +250,11 @@ def test_bad_state_dict_refused_with_nothing_changed():
 def test_twin_refuses_whole_sizes_smaller_than_a_piece():
     with pytest.raises(ValueError, match=r"whole_sizes\[0\]: 10"):
         FunctionalAdamW4bit([torch.zeros(20)], whole_sizes=[10])
+
+
+def test_parameters_off_the_cpu_refused_by_name():
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is on meta"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(3)),
+                   torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match=r"params\[0\]: on meta"):
+        FunctionalAdamW8bit([torch.zeros(3, device="meta")])
