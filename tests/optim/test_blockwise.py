@@ -78,9 +78,10 @@ def test_code_books_are_the_references():
 
 
 def test_adamw4bit_against_torchao():
-    """Same code books and encoding; torchao's step is a torch.compile'd lerp-based AdamW, ours
-    bitsandbytes' op order. After 12 steps of lr 3e-3 the parameters agree to 2e-4 (measured:
-    about 2e-5) and the state's codes on at least 95% of the elements (measured: above 99%)."""
+    """Same code books and encoding; torchao's step is a lerp-based AdamW (torch.compile'd),
+    ours bitsandbytes' op order, so the float32 moments differ in their last bits and now
+    and then cross a code boundary. Measured after 12 steps of lr 3e-3 on 256 x 512: every
+    exp_avg code equal, 99.998% of the exp_avg_sq codes, parameters within 1.8e-4."""
     from torchao.optim import AdamW4bit as TorchaoAdamW4bit
 
     torch.manual_seed(0)
@@ -96,9 +97,10 @@ def test_adamw4bit_against_torchao():
         # ops in the same order.
         with torch.compiler.set_stance("force_eager"):
             ob.step()
-    assert (a - b).abs().max().item() < 2e-4
-    theirs = ob.state[b]["exp_avg"].codes.flatten()
-    assert (oa.state[a]["exp_avg"] == theirs).float().mean().item() > 0.95
+    assert (a - b).abs().max().item() < 5e-4
+    for key, share in (("exp_avg", 0.9999), ("exp_avg_sq", 0.999)):
+        theirs = ob.state[b][key].codes.flatten()
+        assert (oa.state[a][key] == theirs).float().mean().item() >= share
 
 
 def test_4bit_codes_are_torchaos_encoding():
