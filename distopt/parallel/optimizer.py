@@ -473,10 +473,15 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         the live state.
 
         Raises:
-            ValueError: a state value that is not a tensor, or a state tensor whose entries
+            ValueError: a state value that is not a tensor, a state tensor whose entries
                 do not match its piece (``elements_per_entry`` of
-                ``distopt.parallel.dcp``).
+                ``distopt.parallel.dcp``), or state that differs between the ranks that
+                hold it (``RoundRobin``), on every rank alike.
+            RuntimeError: inside a ``Join`` block (DCP's collectives need every rank), at
+                once.
         """
+        self._refuse_inside_join("dcp_state_dict", "opt.dcp_state_dict() and dcp.save",
+                                 "save through DCP")
         return _dcp.dcp_state_dict(self._engine)
 
     def load_dcp(self, checkpoint_id: Optional[str] = None, *, key: Optional[str] = "optim",
@@ -504,14 +509,14 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         _dcp.load(self._engine, key, checkpoint_id=checkpoint_id,
                   storage_reader=storage_reader)
 
-    def _refuse_inside_join(self, call: str, expected: str) -> None:
-        """RuntimeError inside a ``Join`` block, where a rank that has joined cannot load
-        with the others."""
+    def _refuse_inside_join(self, call: str, expected: str, doing: str = "load") -> None:
+        """RuntimeError inside a ``Join`` block, where a rank that has joined cannot
+        ``doing`` with the others."""
         if _torch.join_enabled(self):
             raise RuntimeError(
                 f"Invalid {call} on rank {self.rank}: inside a Join block, where a rank that "
-                f"has run out of batches cannot load with the others; nothing was read "
-                f"(expected {expected} before the Join block)"
+                f"has run out of batches cannot {doing} with the others; nothing was read or "
+                f"written (expected {expected} before the Join block)"
             )
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
