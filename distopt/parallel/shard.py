@@ -34,7 +34,7 @@ from distopt.parallel.sync import all_gather_named
 from distopt.profiling import profiler_range
 
 __all__ = [
-    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
+    "ALIGN", "BLOCKWISE", "MODES", "SHAPED", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
     "gather", "gather_all", "gathered_state", "laid_out", "merge_pieces", "own_pieces_of",
     "piece_index", "split", "state_size", "step_own", "store",
 ]
@@ -44,6 +44,9 @@ ALIGN = 64
 MODES = ("param", "flat")
 #: Classes whose update of an element depends on others of its parameter (its shape).
 SHAPED = ("Adafactor", "Muon")
+#: Classes whose state is quantised in blocks cut from each whole parameter
+#: (``distopt.optim``): stepped whole, by ``"param"``.
+BLOCKWISE = ("Adam8bit", "AdamW8bit", "AdamW4bit")
 
 
 class Piece(NamedTuple):
