@@ -60,6 +60,8 @@ class StateChunk(Tensor):
 
     entries: int
     offset: int
+    #: On load: laid out as its piece once read (torch.optim's state), else kept 1-D.
+    shaped: bool = True
 
     @staticmethod
     def of(local: Tensor, entries: int, offset: int) -> "StateChunk":
@@ -177,9 +179,9 @@ def dcp_state_dict(engine: Any) -> Dict[str, Any]:
     check_groups(engine.param_groups, engine.built)
     pieces, groups = own_pieces(engine), _group_of(engine)
     state: Dict[str, Dict[str, Any]] = {}
-    records = []  # (index, key, offset, entries held, entries, k, dtype, crc)
+    records = []  # (index, key, offset, entries held, entries, k, dtype, shaped, crc)
     for i, entry in sorted(_live_state(engine).items()):
-        start, stop, _ = pieces[i]
+        start, stop, view = pieces[i]
         numel = engine.bucketed[i].numel()
         out = state.setdefault(str(i), {})
         for key, value in entry.items():
@@ -193,7 +195,7 @@ def dcp_state_dict(engine: Any) -> Dict[str, Any]:
             entries = None if k is None else -(-numel // k)
             out[key] = local if k is None else StateChunk.of(local, entries, offset)
             records.append((i, key, offset, local.numel(), entries, k, str(value.dtype),
-                            crc32_of(local)))
+                            tuple(value.shape) == tuple(view), crc32_of(local)))
     mine = (dist.get_rank() if dist.is_initialized() else 0, records)
     every = [mine]
     if engine.world_size > 1:
@@ -221,9 +223,9 @@ def _merged(every: List[Tuple[int, List[Tuple[Any, ...]]]]) -> List[Tuple[Any, .
     """
     chunks: Dict[Tuple[Any, ...], List[Any]] = {}
     for global_rank, records in every:
-        for index, key, offset, held, entries, k, dtype, crc in records:
-            known = chunks.setdefault((index, key, offset, held),
-                                      [[], index, key, offset, held, entries, k, dtype, crc])
+        for index, key, offset, held, entries, k, dtype, shaped, crc in records:
+            known = chunks.setdefault((index, key, offset, held), [
+                [], index, key, offset, held, entries, k, dtype, shaped, crc])
             if known[-1] != crc:
                 raise ValueError(
                     f"Invalid state[{index}][{key!r}]: entries [{offset}, {offset + held}) "
@@ -250,6 +252,7 @@ class Chunk(NamedTuple):
     entries: Optional[int]
     k: Optional[int]
     dtype: str
+    shaped: bool  #: laid out as its piece (torch.optim's state), else 1-D (codes, scales)
     crc: int
 
 
@@ -318,6 +321,7 @@ def plan_load(engine: Any, about: Dict[str, Any]) -> Dict[Tuple[int, str], Any]:
                 f"multiple of {c.k})")
         lo, hi = start // c.k, -(-stop // c.k)
         staged[c.index, c.key] = StateChunk.of(torch.empty(hi - lo, dtype=dtype), c.entries, lo)
+        staged[c.index, c.key].shaped = c.shaped
     return staged
 
 
@@ -416,14 +420,14 @@ def load(engine: Any, key: Optional[str], **where: Any) -> None:
 
 def _shaped(engine: Any, staged: Dict[Tuple[int, str], Any]) -> Dict[int, Dict[str, Any]]:
     """The read tensors by global index, each laid out as this rank's optimizer holds the
-    state of its piece (one entry an element: the piece's shape; else 1-D)."""
+    state of its piece: as the piece where it was saved so (torch.optim's state), else 1-D
+    (quantised codes and scales)."""
     pieces = own_pieces(engine)
     out: Dict[int, Dict[str, Any]] = {}
     for (i, name), value in staged.items():
         if isinstance(value, StateChunk):
             local = value.local()
-            whole = local.numel() == pieces[i][1] - pieces[i][0]
-            value = local.view(pieces[i][2]) if whole else local
+            value = local.view(pieces[i][2]) if value.shaped else local
         out.setdefault(i, {})[name] = value
     return out
 

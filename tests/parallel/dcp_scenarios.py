@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from distopt.optim import AdamW4bit, AdamW8bit
 from distopt.parallel import DataParallelOptimizer
 from tests.helpers import error_of, identical
 from tests.parallel.training import flat_params, mse_steps, whole_state_dict
@@ -23,6 +24,10 @@ RUNS: Dict[str, Any] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}, "flat", "flat"),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, "flat", "param"),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, "param", "flat"),
+    # Quantised state (issue 39, item 1; "param" only): the 6,400-element weight keeps
+    # uint8 codes (4-bit: two elements a byte) and one absmax a block, the others float32.
+    "adamw8bit": (AdamW8bit, {"lr": 1e-2}, "param", "param"),
+    "adamw4bit": (AdamW4bit, {"lr": 1e-2}, "param", "param"),
 }
 SAVED_AT, AFTER = 2, 2
 #: Small buckets: the flat cuts fall inside parameters, several buckets.
@@ -101,7 +106,9 @@ def save_on_two(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         out[name] = {"written": writer.tensor_bytes, "own": own, "files": files,
                      "whole": sum(v.numel() * v.element_size() for e in whole["state"].values()
                                   for v in e.values()),
-                     "same_state": same, "equal": torch.equal(flat_params(model), straight)}
+                     "same_state": same, "equal": torch.equal(flat_params(model), straight),
+                     "dtypes": sorted({str(v.dtype) for e in whole["state"].values()
+                                       for v in e.values()})}
     out["corrupt"] = {"file": _corrupt_copy(rank, path), **_refused(rank, path)}
     return out
 

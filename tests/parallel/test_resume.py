@@ -147,6 +147,8 @@ def test_dcp_each_rank_writes_its_own_shard_only(dcp_saved, name):
     for rank in (0, 1):
         assert 0 < got[rank]["written"] <= got[rank]["own"] < whole, got[rank]
     assert got[0]["written"] + got[1]["written"] == whole
+    quantised = "bit" in name
+    assert ("torch.uint8" in got[0]["dtypes"]) == quantised, got[0]["dtypes"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(got[0]["files"])
 
 
@@ -159,8 +161,9 @@ def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, 
 
 @pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
 def test_dcp_saved_on_two_ranks_loads_on_three_and_on_one(dcp_loaded, name):
-    """Saved on 2 ranks, loaded on 3 (flat or param) and on 1 (shard=None): the state equals
-    the one consolidated at the save, and training on equals a resume from that state
+    """Saved on 2 ranks, loaded on 3 (flat or param; the 8-bit and 4-bit classes "param", the
+    only mode they take) and on 1 (shard=None): the state equals the one consolidated at the
+    save, codes and scales included, and training on equals a resume from that state
     through load_state_dict, bit for bit."""
     for rank in (0, 1, 2):
         assert dcp_loaded[rank][name]["same_state"] and dcp_loaded[rank][name]["equal"]
