@@ -4,6 +4,10 @@ The scenarios (tests/parallel/resume_scenarios.py) save a run after its buckets 
 rebuilt in arrival order, and resume it in a new optimizer whose buckets are still the
 construction's: every parameter's state must come back, and the resumed run must equal
 the uninterrupted one bit for bit.
+
+The DCP checks (tests/parallel/dcp_scenarios.py, issue 39 item 4) save through
+``torch.distributed.checkpoint`` on these 2 ranks and load on them, on 3 ranks (a world of
+its own) and on 1 (a group of one rank of those 3).
 """
 import re
 import zlib
