@@ -9,7 +9,7 @@ hooks, where the compiled twins of ``functional.blockwise_adam`` step without th
 Per parameter the state holds ``step`` and, for a quantised one, ``exp_avg`` /
 ``exp_avg_sq`` as uint8 codes (one per element at 8 bits, two per byte at 4) with
 ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (one float32 scale per block): 2 bytes and 1/64
-per element at 8 bits (2.03 bytes per parameter... see docs/guide/low_memory.md).
+per element at 8 bits: 2.03 bytes per parameter, 1.06 at 4 bits (docs/guide/low_memory.md).
 
 ``AdamW8bit`` equals bitsandbytes 0.50's ``AdamW8bit`` bit for bit (parameters, codes and
 scales), ``Adam8bit`` its ``Adam8bit`` without weight decay (bitsandbytes decouples the
@@ -37,8 +37,8 @@ __all__ = ["Adam8bit", "AdamW8bit", "AdamW4bit"]
 class _BlockwiseAdam(torch.optim.Optimizer):
     """Adam / AdamW on blockwise-quantised state (the three public classes)."""
 
-    #: Bits per code, and whether weight decay is decoupled (AdamW).
-    bits = 8
+    #: Bits per code (read by the sharded engine too), and whether weight decay is decoupled.
+    blockwise_bits = 8
     decoupled = True
 
     def __init__(
@@ -60,7 +60,7 @@ class _BlockwiseAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
-        self._codes = code_books(self.bits)
+        self._codes = code_books(self.blockwise_bits)
 
     def _group_step(self, group: Dict[str, Any]) -> None:
         params: List[Tensor] = list(group["params"])
@@ -72,7 +72,7 @@ class _BlockwiseAdam(torch.optim.Optimizer):
             params, gradients, state, quantised, self._codes[0], self._codes[1],
             float(lr.item() if isinstance(lr, Tensor) else lr),
             (float(group["betas"][0]), float(group["betas"][1])), float(group["eps"]),
-            float(group["weight_decay"]), self.decoupled, bool(group["maximize"]), self.bits,
+            float(group["weight_decay"]), self.decoupled, bool(group["maximize"]), self.blockwise_bits,
             int(group["block_size"]),
         )
         for i, entry in state.items():
@@ -105,7 +105,7 @@ class _BlockwiseAdam(torch.optim.Optimizer):
                     continue
                 p = by_id[i]
                 quantised = p.numel() >= group_of[i].get("min_8bit_size", 4096)
-                problem = state_problem(p, entry, quantised, self.bits,
+                problem = state_problem(p, entry, quantised, self.blockwise_bits,
                                         int(group_of[i].get("block_size", 256)))
                 if problem:
                     raise ValueError(f"Invalid state_dict: the state of parameter {i}: {problem}")
@@ -121,7 +121,7 @@ class Adam8bit(_BlockwiseAdam):
     """torch.optim.Adam with 8-bit blockwise state (block 256); ``weight_decay`` is an L2
     penalty added to the gradient, as torch.optim.Adam's."""
 
-    bits = 8
+    blockwise_bits = 8
     decoupled = False
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -135,7 +135,7 @@ class AdamW8bit(_BlockwiseAdam):
     """torch.optim.AdamW with 8-bit blockwise state (block 256): bitsandbytes' AdamW8bit, bit
     for bit."""
 
-    bits = 8
+    blockwise_bits = 8
     decoupled = True
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -148,7 +148,7 @@ class AdamW8bit(_BlockwiseAdam):
 class AdamW4bit(_BlockwiseAdam):
     """torch.optim.AdamW with 4-bit blockwise state (block 128; torchao's code books)."""
 
-    bits = 4
+    blockwise_bits = 4
     decoupled = True
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),

@@ -74,12 +74,7 @@ def check_options(bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, 
             f"Invalid shard: 'flat' for {optimizer_class.__name__}, whose update depends on "
             f"each parameter's shape (expected shard='param', which keeps parameters whole)"
         )
-    if shard == "flat" and optimizer_class.__name__ in _shard.BLOCKWISE:
-        raise ValueError(
-            f"Invalid shard: 'flat' for {optimizer_class.__name__}, whose state is quantised "
-            f"in blocks cut from each whole parameter (expected shard='param', which keeps "
-            f"parameters whole and gives the bits of an unsharded run)"
-        )
+
 
 
 def group_info(process_group: Any) -> Tuple[Any, int, int]:

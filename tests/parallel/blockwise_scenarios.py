@@ -3,7 +3,8 @@ of ``distopt.optim`` under data parallelism.
 
 The reference is DDP + the class itself stepping eagerly (it equals bitsandbytes' AdamW8bit,
 tests/optim/test_blockwise.py): DataParallelOptimizer steps its compiled twin, unsharded and
-with ``shard="param"``, and must give the same bits, parameters and state. At 3 ranks gloo's
+with ``shard="param"`` and ``"flat"`` (cuts inside the quantised weights, at block
+boundaries), and must give the same bits, parameters and state. At 3 ranks gloo's
 sums depend on how the gradients are bucketed, so there the sharded run is held to the
 unsharded DataParallelOptimizer.
 """
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distopt.optim import Adam8bit, AdamW4bit, AdamW8bit
 from distopt.parallel import DataParallelOptimizer
+from distopt.parallel.hooks import optimizer_hook
 from tests.helpers import identical
 from tests.parallel.training import flat_params, whole_state_dict
 
@@ -61,7 +63,7 @@ def parity(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         train(model, ref, rank, wrapped=ddp)
         ref_params = flat_params(model)
         ref_state = ref.state_dict()["state"]
-        for shard in (None, "param"):
+        for shard in (None, "param", "flat"):
             model = make_model()
             opt = DataParallelOptimizer(cls, groups(model), lr=1e-2, shard=shard)
             train(model, opt, rank)
@@ -74,21 +76,32 @@ def parity(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                 "exact_unsharded": bool(torch.equal(flat_params(model), unsharded_params)),
                 "state_exact_unsharded": identical(state, unsharded_state),
                 "dtypes": sorted({str(v.dtype) for e in state.values() for v in e.values()}),
+                "cut_inside": shard == "flat" and any(
+                    0 < pc.start < b.params[pc.slot].numel() and b.params[pc.slot].numel() >= 4096
+                    for b in opt._engine.buckets for part in b.shard.pieces for pc in part),
             }
-            if shard == "param" and name == "AdamW8bit" and rank == 0:
+            if shard == "flat" and name == "AdamW8bit" and rank == 0:
                 # whole_state_dict consolidated every rank's pieces on every rank
                 torch.save(opt.state_dict(), os.path.join(path, f"w{world_size}.pt"))
             opt.close()
+        model = make_model()
+        hooked = DDP(model)
+        opt = optimizer_hook(hooked, cls, groups(model), lr=1e-2)
+        train(model, opt, rank, wrapped=hooked)
+        out[f"{name}/hook"] = {
+            "exact": bool(torch.equal(flat_params(model), ref_params)),
+            "state_exact": identical(opt.state_dict()["state"], ref_state),
+        }
     return out
 
 
 def resume(rank: int, world_size: int, path: str, saved_by: int) -> Dict[str, Any]:
-    """Load the AdamW8bit state saved by ``saved_by`` ranks (shard="param") and step on: the
-    same bits as an uninterrupted run on these ranks that stepped from that state."""
+    """Load the AdamW8bit state saved by ``saved_by`` ranks (shard="flat") unsharded, with
+    "param" and with "flat" cut for this world: each gives back the saved state whole."""
     dist.barrier()
     saved = torch.load(os.path.join(path, f"w{saved_by}.pt"), weights_only=True)
     results = []
-    for shard in (None, "param"):
+    for shard in (None, "param", "flat"):
         model = make_model()
         opt = DataParallelOptimizer(AdamW8bit, groups(model), lr=1e-2, shard=shard)
         opt.load_state_dict(saved)
@@ -97,3 +110,14 @@ def resume(rank: int, world_size: int, path: str, saved_by: int) -> Dict[str, An
         opt.close()
     return {"loaded_exact": results}
 
+
+
+def mixed_blocks(rank: int, world_size: int) -> str:
+    model = make_model()
+    parts = groups(model)
+    parts[1]["block_size"] = 128
+    try:
+        DataParallelOptimizer(AdamW8bit, parts, shard="flat")
+    except ValueError as exc:
+        return str(exc)
+    return "constructed"
