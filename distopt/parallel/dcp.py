@@ -182,7 +182,8 @@ def dcp_state_dict(engine: Any) -> Dict[str, Any]:
     records = []  # (index, key, offset, entries held, entries, k, dtype, shaped, crc)
     for i, entry in sorted(_live_state(engine).items()):
         start, stop, view = pieces[i]
-        numel = engine.bucketed[i].numel()
+        param = engine.bucketed[i]
+        numel = param.numel()
         out = state.setdefault(str(i), {})
         for key, value in entry.items():
             if not isinstance(value, Tensor):
@@ -194,8 +195,11 @@ def dcp_state_dict(engine: Any) -> Dict[str, Any]:
             offset = 0 if k is None else start // k
             entries = None if k is None else -(-numel // k)
             out[key] = local if k is None else StateChunk.of(local, entries, offset)
+            # Laid out as its piece (torch.optim's state) or 1-D (codes, scales): a flat
+            # piece's state is 1-D either way; quantised codes are not the parameter's dtype.
+            shaped = tuple(value.shape) == tuple(view) and value.dtype == param.dtype
             records.append((i, key, offset, local.numel(), entries, k, str(value.dtype),
-                            tuple(value.shape) == tuple(view), crc32_of(local)))
+                            shaped, crc32_of(local)))
     mine = (dist.get_rank() if dist.is_initialized() else 0, records)
     every = [mine]
     if engine.world_size > 1:

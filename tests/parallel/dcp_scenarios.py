@@ -24,10 +24,10 @@ RUNS: Dict[str, Any] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}, "flat", "flat"),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, "flat", "param"),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, "param", "flat"),
-    # Quantised state (issue 39, item 1; "param" only): the 6,400-element weight keeps
-    # uint8 codes (4-bit: two elements a byte) and one absmax a block, the others float32.
-    "adamw8bit": (AdamW8bit, {"lr": 1e-2}, "param", "param"),
-    "adamw4bit": (AdamW4bit, {"lr": 1e-2}, "param", "param"),
+    # Quantised state (issue 39, item 1): the 6,400-element weight keeps uint8 codes (4-bit:
+    # two elements a byte) and one absmax a block, the others float32; "flat" cuts at a block.
+    "adamw8bit": (AdamW8bit, {"lr": 1e-2}, "flat", "param"),
+    "adamw4bit": (AdamW4bit, {"lr": 1e-2}, "param", "flat"),
 }
 SAVED_AT, AFTER = 2, 2
 #: Small buckets: the flat cuts fall inside parameters, several buckets.

@@ -165,10 +165,10 @@ def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, 
 
 @pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
 def test_dcp_saved_on_two_ranks_loads_on_three_and_on_one(dcp_loaded, name):
-    """Saved on 2 ranks, loaded on 3 (flat or param; the 8-bit and 4-bit classes "param", the
-    only mode they take) and on 1 (shard=None): the state equals the one consolidated at the
-    save, codes and scales included, and training on equals a resume from that state
-    through load_state_dict, bit for bit."""
+    """Saved on 2 ranks, loaded on 3 (flat or param, each saved in the other mode too) and on
+    1 (shard=None): the state equals the one consolidated at the save, the 8-bit and 4-bit
+    codes and scales included, and training on equals a resume from that state through
+    load_state_dict, bit for bit."""
     for rank in (0, 1, 2):
         assert dcp_loaded[rank][name]["same_state"] and dcp_loaded[rank][name]["equal"]
     one = dcp_loaded[0][f"{name}/one"]
