@@ -29,6 +29,8 @@ RUNS: Dict[str, Any] = {
     "adamw8bit": (AdamW8bit, {"lr": 1e-2}, "flat", "param"),
     "adamw4bit": (AdamW4bit, {"lr": 1e-2}, "param", "flat"),
 }
+#: The runs also loaded on 1 rank, shard=None: saved "flat", "param", and quantised.
+ONE_RANK = ("adam", "sgd", "adamw4bit")
 SAVED_AT, AFTER = 2, 2
 #: Small buckets: the flat cuts fall inside parameters, several buckets.
 CAP_MB = 0.05
@@ -161,7 +163,7 @@ def load_on_three(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         where = os.path.join(path, name)
         whole = torch.load(os.path.join(where, "whole.pt"), weights_only=True)
         out[name] = _resumed_alike(name, where, whole, shard, None, rank)
-        if rank == 0:
+        if rank == 0 and name in ONE_RANK:
             out[f"{name}/one"] = _resumed_alike(name, where, whole, None, alone, rank)
     out["corrupt"] = _refused(rank, path)  # the corrupted chunk read in parts now
     return out

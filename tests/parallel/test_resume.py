@@ -171,9 +171,10 @@ def test_dcp_saved_on_two_ranks_loads_on_three_and_on_one(dcp_loaded, name):
     load_state_dict, bit for bit."""
     for rank in (0, 1, 2):
         assert dcp_loaded[rank][name]["same_state"] and dcp_loaded[rank][name]["equal"]
-    one = dcp_loaded[0][f"{name}/one"]
-    assert one["same_state"] and one["equal"], one
-    assert sum(dcp_loaded[r][name]["own"] for r in (0, 1, 2)) >= one["own"]
+    if name in dcp_scenarios.ONE_RANK:
+        one = dcp_loaded[0][f"{name}/one"]
+        assert one["same_state"] and one["equal"], one
+        assert sum(dcp_loaded[r][name]["own"] for r in (0, 1, 2)) >= one["own"]
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
