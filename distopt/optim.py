@@ -60,6 +60,13 @@ class _BlockwiseAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
+        for g, group in enumerate(self.param_groups):
+            for k, p in enumerate(group["params"]):
+                if p.device.type != "cpu":
+                    raise ValueError(
+                        f"Invalid params: param_groups[{g}]['params'][{k}] is on {p.device} "
+                        f"({name} steps CPU parameters; its kernel is a CPU kernel)"
+                    )
         self._codes = code_books(self.blockwise_bits)
 
     def _group_step(self, group: Dict[str, Any]) -> None:

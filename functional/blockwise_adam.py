@@ -195,7 +195,14 @@ def quantised_flags(sizes: List[int], min_8bit_size: int) -> List[bool]:
 
 
 def whole_sizes_of(params: List[Tensor], whole_sizes: Optional[List[int]]) -> List[int]:
-    """``whole_sizes``, checked, or each parameter's own element count."""
+    """``whole_sizes``, checked, or each parameter's own element count (and every parameter
+    on the CPU: the kernel is a CPU kernel)."""
+    for i in range(len(params)):
+        if params[i].device.type != "cpu":
+            raise ValueError(
+                "Invalid params[" + str(i) + "]: on " + str(params[i].device)
+                + " (blockwise Adam steps CPU parameters)"
+            )
     if whole_sizes is None:
         return [p.numel() for p in params]
     if len(whole_sizes) != len(params):

@@ -1588,19 +1588,72 @@ struct Codec4 {
     const int up = std::min(k + 1, 15);
     return static_cast<uint8_t>(v - c[k] >= (c[up] - c[k]) * 0.5f ? up : k);
   }
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  // code[k] for 8 indices in 0..15: two in-register permutes and a blend.
+  static __m256 lookup(__m256 low, __m256 high, __m256i k) {
+    const __m256 a = _mm256_permutevar8x32_ps(low, k);
+    const __m256 b = _mm256_permutevar8x32_ps(high, k);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(7))));
+  }
+  // ``nearest`` of 8 values at once, the same comparisons in the same order.
+  static __m256i nearest8(__m256 low, __m256 high, __m256 v) {
+    __m256i k = _mm256_setzero_si256();
+    for (int step : {8, 4, 2, 1}) {
+      const __m256i next = _mm256_add_epi32(k, _mm256_set1_epi32(step));
+      const __m256 at = lookup(low, high, next);
+      k = _mm256_blendv_epi8(k, next, _mm256_castps_si256(_mm256_cmp_ps(v, at, _CMP_GE_OQ)));
+    }
+    const __m256i up = _mm256_min_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(1)), _mm256_set1_epi32(15));
+    const __m256 down_value = lookup(low, high, k);
+    const __m256 half_gap = _mm256_mul_ps(_mm256_sub_ps(lookup(low, high, up), down_value), _mm256_set1_ps(0.5f));
+    const __m256 take_up = _mm256_cmp_ps(_mm256_sub_ps(v, down_value), half_gap, _CMP_GE_OQ);
+    return _mm256_blendv_epi8(k, up, _mm256_castps_si256(take_up));
+  }
+#endif
   void decode(const uint8_t* q, float scale, float* out, int64_t n) const {
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+    const __m256 low = _mm256_loadu_ps(code), high = _mm256_loadu_ps(code + 8);
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (; i + 16 <= n; i += 16) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i / 2));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      const __m128i lo = _mm_and_si128(bytes, nibble);
+      const __m128i ordered = _mm_unpacklo_epi8(hi, lo);  // hi0 lo0 hi1 lo1 ...
+      const __m256i first = _mm256_cvtepu8_epi32(ordered);
+      const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup(low, high, first), s));
+      _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(lookup(low, high, second), s));
+    }
+#endif
+    for (; i < n; ++i) {
       const uint8_t byte = q[i / 2];
       out[i] = code[(i % 2 == 0) ? (byte >> 4) : (byte & 0xF)] * scale;
     }
   }
   float encode(const float* x, uint8_t* q, int64_t n) const {
-    float absmax = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      absmax = std::max(absmax, std::fabs(x[i]));
+    const float scale = std::max(block_absmax(x, n), 1e-12f);
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+    const __m256 low = _mm256_loadu_ps(code), high = _mm256_loadu_ps(code + 8);
+    const __m256 s = _mm256_set1_ps(scale);
+    // (hi, lo) pairs of codes -> hi * 16 + lo, one byte each.
+    const __m128i weights = _mm_set1_epi16(0x0110);  // bytes 16, 1 (little-endian)
+    for (; i + 16 <= n; i += 16) {
+      const __m256i a = nearest8(low, high, _mm256_div_ps(_mm256_loadu_ps(x + i), s));
+      const __m256i b = nearest8(low, high, _mm256_div_ps(_mm256_loadu_ps(x + i + 8), s));
+      const __m256i words = _mm256_packus_epi32(a, b);  // lanes: a0-3 b0-3 | a4-7 b4-7
+      const __m128i lo_half = _mm256_castsi256_si128(words), hi_half = _mm256_extracti128_si256(words, 1);
+      // Back in order: a0..a7, b0..b7 as 16-bit, then bytes.
+      const __m128i first = _mm_unpacklo_epi64(lo_half, hi_half);
+      const __m128i second = _mm_unpackhi_epi64(lo_half, hi_half);
+      const __m128i codes = _mm_packus_epi16(first, second);
+      const __m128i pairs = _mm_maddubs_epi16(codes, weights);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i / 2), _mm_packus_epi16(pairs, pairs));
     }
-    const float scale = std::max(absmax, 1e-12f);
-    for (int64_t i = 0; i < n; i += 2) {
+#endif
+    for (; i < n; i += 2) {
       const uint8_t hi = nearest(code, x[i] / scale);
       const uint8_t lo = i + 1 < n ? nearest(code, x[i + 1] / scale) : uint8_t(0);
       q[i / 2] = static_cast<uint8_t>((hi << 4) | lo);

@@ -101,6 +101,25 @@ def test_adamw4bit_against_torchao():
     assert (oa.state[a]["exp_avg"] == theirs).float().mean().item() > 0.95
 
 
+def test_4bit_codes_are_torchaos_encoding():
+    """From zero state one step leaves ``exp_avg = (1 - beta1) * g``; its codes and scales
+    equal torchao's ``quantize_4bit_with_qmap`` of it, packed as torchao packs them."""
+    from torchao.optim.quant_utils import quantize_4bit_with_qmap, scale_tensor
+
+    torch.manual_seed(0)
+    n = 128 * 37 + 5
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = AdamW4bit([p], lr=1e-2)
+    opt.step()
+    whole = (n // 128) * 128
+    scaled, scale = scale_tensor((0.1 * p.grad)[:whole], 128)
+    codes = quantize_4bit_with_qmap(scaled, code_books(4)[0])
+    state = opt.state[p]
+    assert torch.equal(state["exp_avg"][: whole // 2], (codes[::2] << 4) | codes[1::2])
+    assert torch.equal(state["exp_avg_absmax"][: whole // 128], scale)
+
+
 def test_state_bytes_per_parameter():
     n = 4 * 1024 * 1024
     p = torch.nn.Parameter(torch.zeros(n))
@@ -231,3 +250,11 @@ def test_bad_state_dict_refused_with_nothing_changed():
 def test_twin_refuses_whole_sizes_smaller_than_a_piece():
     with pytest.raises(ValueError, match=r"whole_sizes\[0\]: 10"):
         FunctionalAdamW4bit([torch.zeros(20)], whole_sizes=[10])
+
+
+def test_parameters_off_the_cpu_refused_by_name():
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is on meta"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(3)),
+                   torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match=r"params\[0\]: on meta"):
+        FunctionalAdamW8bit([torch.zeros(3, device="meta")])
