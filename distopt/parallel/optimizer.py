@@ -37,6 +37,7 @@ from distopt import _torch
 from distopt.arguments import class_then_params
 from distopt.parallel import buffers as _buffers
 from distopt.parallel import checkpoint as _checkpoint
+from distopt.parallel import dcp as _dcp
 from distopt.parallel import join as _join
 from distopt.parallel import state as _state
 from distopt.parallel import wrapped as _wrapped
@@ -454,14 +455,69 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             RuntimeError: inside a ``Join`` block (a rank that has joined cannot load with
                 the others), at once, before anything is read.
         """
-        if _torch.join_enabled(self):
-            raise RuntimeError(
-                f"Invalid load on rank {self.rank}: inside a Join block, where a rank that "
-                f"has run out of batches cannot load with the others; nothing was read "
-                f"(expected opt.load({path!r}) before the Join block)"
-            )
+        self._refuse_inside_join("load", f"opt.load({path!r})")
         self._engine.status.generation += 1
         _checkpoint.load(self._engine, path)
+
+    def dcp_state_dict(self) -> Dict[str, Any]:
+        """This rank's shard of the optimizer state for ``torch.distributed.checkpoint``:
+        every rank calls it (one small collective) and hands the result to ``dcp.save``,
+        beside the model's state if it likes (``{"model": ..., "optim":
+        opt.dcp_state_dict()}``); each rank then writes its own pieces only, as views of
+        the optimizer's tensors (nothing is gathered or copied here), and the first the
+        replicated rest (param groups, step counts, each rank's CRC-32s). Load it with
+        ``load_dcp`` on any number of ranks and in any ``shard`` mode.
+
+        Residuals, compression state and ``RoundRobin``'s round are not in it (they are
+        per rank; ``save`` keeps them). Save before the next step: the tensors handed are
+        the live state.
+
+        Raises:
+            ValueError: a state value that is not a tensor, a state tensor whose entries
+                do not match its piece (``elements_per_entry`` of
+                ``distopt.parallel.dcp``), or state that differs between the ranks that
+                hold it (``RoundRobin``), on every rank alike.
+            RuntimeError: inside a ``Join`` block (DCP's collectives need every rank), at
+                once.
+        """
+        self._refuse_inside_join("dcp_state_dict", "opt.dcp_state_dict() and dcp.save",
+                                 "save through DCP")
+        return _dcp.dcp_state_dict(self._engine)
+
+    def load_dcp(self, checkpoint_id: Optional[str] = None, *, key: Optional[str] = "optim",
+                 storage_reader: Any = None) -> None:
+        """Load what ``dcp_state_dict()`` saved through ``dcp.save``, on any number of
+        ranks and in any ``shard`` mode; every rank calls it. Each rank reads the pieces it
+        holds (DCP reshards the saved ones), the saved CRC-32 of every rank's shard is
+        checked against what the ranks read, and only when every rank has accepted
+        everything does any state change.
+
+        Args:
+            checkpoint_id: ``dcp.load``'s: the checkpoint's directory.
+            key: where ``dcp_state_dict()``'s result was put in the saved dict (None: it
+                was the whole dict).
+            storage_reader: ``dcp.load``'s, instead of ``checkpoint_id``.
+
+        Raises:
+            ValueError: another class, parameter sizes or param groups, or a shard whose
+                CRC-32 differs (naming the rank that saved it, its files, the key and
+                entries): on every rank, nothing changed.
+            RuntimeError: inside a ``Join`` block, at once, before anything is read.
+        """
+        self._refuse_inside_join("load_dcp", "opt.load_dcp(...)")
+        self._engine.status.generation += 1
+        _dcp.load(self._engine, key, checkpoint_id=checkpoint_id,
+                  storage_reader=storage_reader)
+
+    def _refuse_inside_join(self, call: str, expected: str, doing: str = "load") -> None:
+        """RuntimeError inside a ``Join`` block, where a rank that has joined cannot
+        ``doing`` with the others."""
+        if _torch.join_enabled(self):
+            raise RuntimeError(
+                f"Invalid {call} on rank {self.rank}: inside a Join block, where a rank that "
+                f"has run out of batches cannot {doing} with the others; nothing was read or "
+                f"written (expected {expected} before the Join block)"
+            )
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Not supported: the buckets are fixed at construction.

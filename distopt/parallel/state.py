@@ -26,7 +26,7 @@ from distopt.saved_state import CheckedState, SavedStateSpec, check_state_dict
 from distopt.surface import indexed_groups, state_dict_with_hooks
 
 __all__ = ["adopt_groups", "checked_loader", "checked_residuals", "compiled_state_dict",
-           "foreign_residuals", "load_plan", "put_residuals", "residuals", "spec_for",
+           "foreign_residuals", "load_checked", "load_plan", "put_residuals", "residuals", "spec_for",
            "state_dict", "warn_residuals_once"]
 
 
@@ -180,7 +180,7 @@ def checked_loader(engine: Any, state_dict: Dict[str, Any],
         if relayout is not None:
             engine.rebuild_buckets(*relayout)
             engine.status.rebuild_pending = False
-        _load_checked(engine, state_dict, saved_groups, position, pieces, whole)
+        load_checked(engine, state_dict, saved_groups, position, pieces, whole)
         put_residuals(engine, saved_residuals)
         engine.round = rounds
         load_reduction()
@@ -208,7 +208,7 @@ def _checked_whole_state(engine: Any, saved: CheckedState, saved_ids: List[Any],
     return whole
 
 
-def _load_checked(engine: Any, state_dict: Dict[str, Any], saved_groups: List[Dict[str, Any]],
+def load_checked(engine: Any, state_dict: Dict[str, Any], saved_groups: List[Dict[str, Any]],
                   position: Dict[Any, int], pieces: Optional[Dict[int, Any]],
                   whole: Dict[int, Dict[str, Any]]) -> None:
     """Load what ``checked_loader`` checked: the optimizer state and the groups."""

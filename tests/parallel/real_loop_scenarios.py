@@ -277,8 +277,8 @@ def two_optimizers_join(rank: int, world_size: int, path: str, nested: bool) -> 
 
 
 def load_inside_join(rank: int, world_size: int, path: str) -> Dict[str, str]:
-    """``load()``, and a sharded ``load_state_dict()`` (collectives), inside a Join block
-    are refused at once, on every rank alike."""
+    """``load()``, a sharded ``load_state_dict()``, ``dcp_state_dict()`` and ``load_dcp()``
+    (collectives), inside a Join block are refused at once, on every rank alike."""
     out = {}
     for shard in (None, "flat"):
         model = torch.nn.Linear(2, 2)
@@ -287,7 +287,9 @@ def load_inside_join(rank: int, world_size: int, path: str) -> Dict[str, str]:
         opt.consolidate_state_dict(to=None)
         state = opt.state_dict()
         calls = {"load": lambda: opt.load(path),
-                 "load_state_dict": lambda: opt.load_state_dict(state)}
+                 "load_state_dict": lambda: opt.load_state_dict(state),
+                 "dcp_state_dict": opt.dcp_state_dict,
+                 "load_dcp": lambda: opt.load_dcp(path)}
         for name, call in calls.items():
             try:
                 with Join([opt]):

@@ -18,7 +18,7 @@ from distopt.parallel import DataParallelOptimizer, PowerSGD, TopK
 from distopt.parallel import shard as shard_module
 from tests.helpers import error_of, identical
 from tests.parallel.arrival_scenarios import Reversed
-from tests.parallel.training import eager_class, whole_state_dict
+from tests.parallel.training import eager_class, mse_steps, whole_state_dict
 
 WIDTH = 8
 LAYERS = 4
@@ -38,13 +38,6 @@ def _batches(rank: int) -> List[Any]:
     g = torch.Generator().manual_seed(40 + rank)
     return [(torch.randn(4, WIDTH, generator=g), torch.randn(4, 2, generator=g))
             for _ in range(SAVED_AT + AFTER)]
-
-
-def _train(model: torch.nn.Module, opt: Any, part: List[Any]) -> None:
-    for x, y in part:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _params(model: torch.nn.Module) -> torch.Tensor:
@@ -85,7 +78,7 @@ def resumes(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         model = _model()
         opt = make(model)
         built = opt.bucket_layout()
-        _train(model, opt, batches[:SAVED_AT])
+        mse_steps(model, opt, batches[:SAVED_AT])
         where = os.path.join(path, name)
         opt.save(where)
         buf = io.BytesIO()
@@ -93,7 +86,7 @@ def resumes(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         torch.save(saved_sd, buf)
         saved_params = [p.detach().clone() for p in model.parameters()]
         rebuilt = opt.bucket_layout() != built
-        _train(model, opt, batches[SAVED_AT:])
+        mse_steps(model, opt, batches[SAVED_AT:])
         straight = _params(model)
         opt.close()
         for how in HOWS:
@@ -118,7 +111,7 @@ def resumes(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                 got["entries"] = (len(after_load["state"]), len(saved_sd["state"]))
             except Exception as exc:  # noqa: B902 - reported to the test
                 got["state_dict"] = f"{type(exc).__name__}: {exc}"
-            _train(model, resumed, batches[SAVED_AT:])
+            mse_steps(model, resumed, batches[SAVED_AT:])
             got["equal"] = bool(torch.equal(_params(model), straight))
             got["rebuilt"] = rebuilt
             resumed.close()
@@ -214,7 +207,7 @@ def ddp_habit(rank: int, world_size: int) -> Dict[str, Any]:
 
         model = _model()
         opt = make(model)
-        _train(model, opt, batches[:SAVED_AT])
+        mse_steps(model, opt, batches[:SAVED_AT])
         sd = rank0_state_dict(opt)
         opt.close()
         model = _model()
@@ -223,7 +216,7 @@ def ddp_habit(rank: int, world_size: int) -> Dict[str, Any]:
             warnings.simplefilter("always")
             resumed.load_state_dict(sd)
             resumed.load_state_dict(sd)
-        _train(model, resumed, batches[SAVED_AT:])
+        mse_steps(model, resumed, batches[SAVED_AT:])
         resumed.close()
         out[name] = {"record": sd.get("residuals_of"),
                      "warnings": [str(w.message) for w in seen if w.category is UserWarning]}
@@ -244,11 +237,11 @@ def other_cap(rank: int, world_size: int, path: str) -> Dict[str, Any]:
 
     model = _model()
     opt = make(model, CAP_MB)
-    _train(model, opt, batches[:SAVED_AT])
+    mse_steps(model, opt, batches[:SAVED_AT])
     where = os.path.join(path, "other-cap")
     opt.save(where)
     saved_params = [p.detach().clone() for p in model.parameters()]
-    _train(model, opt, batches[SAVED_AT:])
+    mse_steps(model, opt, batches[SAVED_AT:])
     straight = _params(model)
     opt.close()
     model = _model()
@@ -257,7 +250,7 @@ def other_cap(rank: int, world_size: int, path: str) -> Dict[str, Any]:
             p.copy_(v)
     resumed = make(model, 2.5 * CAP_MB)
     out = {"load": error_of(lambda: resumed.load(where))}
-    _train(model, resumed, batches[SAVED_AT:])
+    mse_steps(model, resumed, batches[SAVED_AT:])
     out["equal"] = bool(torch.equal(_params(model), straight))
     state = whole_state_dict(resumed)
     if rank == 0:

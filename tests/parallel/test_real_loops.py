@@ -113,6 +113,15 @@ def test_load_inside_join_is_refused_at_once(worlds, tmp_path):
         for shard in (None, "flat"):
             assert r[f"{shard}/load"].startswith(
                 f"Invalid load on rank {rank}: inside a Join block"), r
+            assert r[f"{shard}/load_dcp"] == (
+                f"Invalid load_dcp on rank {rank}: inside a Join block, where a rank that has "
+                f"run out of batches cannot load with the others; nothing was read or written "
+                f"(expected opt.load_dcp(...) before the Join block)")
+            assert r[f"{shard}/dcp_state_dict"] == (
+                f"Invalid dcp_state_dict on rank {rank}: inside a Join block, where a rank "
+                f"that has run out of batches cannot save through DCP with the others; nothing "
+                f"was read or written (expected opt.dcp_state_dict() and dcp.save before the "
+                f"Join block)")
         assert r["None/load_state_dict"] == "no error"  # unsharded: local, no collective
         assert r["flat/load_state_dict"].startswith(
             f"Invalid load_state_dict on rank {rank}: with shard='flat' it is a collective"), r

@@ -4,11 +4,20 @@ The scenarios (tests/parallel/resume_scenarios.py) save a run after its buckets 
 rebuilt in arrival order, and resume it in a new optimizer whose buckets are still the
 construction's: every parameter's state must come back, and the resumed run must equal
 the uninterrupted one bit for bit.
+
+The DCP checks (tests/parallel/dcp_scenarios.py, issue 39 item 4) save through
+``torch.distributed.checkpoint`` on these 2 ranks and load on them, on 3 ranks (a world of
+its own) and on 1 (a group of one rank of those 3).
 """
 import re
+import zlib
 
 import pytest
+import torch
 
+from distopt.parallel import dcp
+from tests.helpers import error_of
+from tests.parallel import dcp_scenarios
 from tests.parallel import resume_scenarios as scenarios
 
 
@@ -116,3 +125,113 @@ def test_ranks_in_different_collectives_say_so(world):
         "collectives: this rank is in consolidate_state_dict() (or a bucket rebuild), rank 0 "
         "in load_state_dict()")
 
+
+
+# ---------------------------------------------------------------- DCP (issue 39, item 4)
+
+
+@pytest.fixture(scope="module")
+def dcp_saved(worlds, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dcp"))
+    return path, worlds.run(dcp_scenarios.save_on_two, 2, path)
+
+
+@pytest.fixture(scope="module")
+def dcp_loaded(worlds, dcp_saved):
+    return worlds.run(dcp_scenarios.load_on_three, 3, dcp_saved[0])
+
+
+@pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
+def test_dcp_each_rank_writes_its_own_shard_only(dcp_saved, name):
+    """What each rank's DCP save was given to write is at most its own shard's bytes (the
+    0-dim step counts its pieces share with the other rank's written once), and the
+    ranks together wrote the whole state once."""
+    got = [dcp_saved[1][rank][name] for rank in (0, 1)]
+    whole = got[0]["whole"]
+    for rank in (0, 1):
+        assert 0 < got[rank]["written"] <= got[rank]["own"] < whole, got[rank]
+    assert got[0]["written"] + got[1]["written"] == whole
+    quantised = "bit" in name
+    assert ("torch.uint8" in got[0]["dtypes"]) == quantised, got[0]["dtypes"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(got[0]["files"])
+
+
+@pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
+def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, name):
+    for rank in (0, 1):
+        got = dcp_saved[1][rank][name]
+        assert got["same_state"] and got["equal"], got
+
+
+@pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
+def test_dcp_saved_on_two_ranks_loads_on_three_and_on_one(dcp_loaded, name):
+    """Saved on 2 ranks, loaded on 3 (flat or param, each saved in the other mode too) and on
+    1 (shard=None): the state equals the one consolidated at the save, the 8-bit and 4-bit
+    codes and scales included, and training on equals a resume from that state through
+    load_state_dict, bit for bit."""
+    for rank in (0, 1, 2):
+        assert dcp_loaded[rank][name]["same_state"] and dcp_loaded[rank][name]["equal"]
+    if name in dcp_scenarios.ONE_RANK:
+        one = dcp_loaded[0][f"{name}/one"]
+        assert one["same_state"] and one["equal"], one
+        assert sum(dcp_loaded[r][name]["own"] for r in (0, 1, 2)) >= one["own"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_dcp_a_corrupted_shard_is_refused_on_every_rank_with_nothing_changed(
+        dcp_saved, dcp_loaded, ranks):
+    """One bit flipped in the file of rank ``holder``: refused on every rank alike, naming
+    that rank, its files and the key, with nothing changed, loaded on the 2 ranks that saved
+    it and on 3 (where the ranks' CRCs of the parts each read are joined)."""
+    got = [(dcp_saved[1] if ranks == 2 else dcp_loaded)[rank]["corrupt"]
+           for rank in range(ranks)]
+    holder = dcp_saved[1][0]["corrupt"]["file"][2]  # __<rank>_0.distcp
+    everyone = ", ".join(map(str, range(ranks)))
+    assert re.fullmatch(
+        rf"ValueError: Invalid checkpoint on ranks {everyone}: Invalid checkpoint: the shard "
+        rf"saved by rank {holder} \(its DCP files, __{holder}_\*\.distcp with FileSystemWriter\) "
+        r"holds 'optim\.state\.0\.exp_avg' entries \[\d+, 3840\): CRC-32 0x[0-9a-f]{8} "
+        r"\(expected 0x[0-9a-f]{8}, recorded at the save\) \(nothing changed on any rank\)",
+        got[0]["error"]), got[0]["error"]
+    for theirs in got:
+        assert theirs["error"] == got[0]["error"]
+        assert theirs["unchanged"]
+        assert theirs["class"] == (
+            f"ValueError: Invalid checkpoint on ranks {everyone}: Invalid checkpoint: "
+            f"optimizer_class 'Adam' (expected 'SGD') (nothing changed on any rank)")
+
+
+#: (key, value entries, piece, numel, group) -> elements per entry: torch.optim's state, a
+#: step count, and the 8-bit / 4-bit layout of issue 39's item 1 (codes of one or two
+#: elements a byte, one absmax a block), cut at a block from the parameter's start.
+ENTRY_CASES = [
+    ("exp_avg", 300, (100, 400), 1000, {}, 1),
+    ("step", None, (100, 400), 1000, {}, None),
+    ("exp_avg", 512, (256, 768), 5000, {"block_size": 256}, 1),
+    ("exp_avg_absmax", 2, (256, 768), 5000, {"block_size": 256}, 256),
+    ("exp_avg_absmax", 1, (4864, 5000), 5000, {"block_size": 256}, 256),
+    ("exp_avg_sq", 256, (4608, 5120), 5120, {"block_size": 128}, 2),
+    ("exp_avg_sq", 196, (4608, 5000), 5000, {"block_size": 128}, 2),
+]
+
+
+@pytest.mark.parametrize("key, entries, piece, numel, group, want", ENTRY_CASES)
+def test_dcp_elements_per_entry_fits_the_quantised_layout(key, entries, piece, numel, group,
+                                                          want):
+    value = torch.zeros(()) if entries is None else torch.zeros(entries, dtype=torch.uint8)
+    assert dcp.elements_per_entry(torch.optim.Adam, group, key, value, piece, numel) == want
+
+
+def test_dcp_elements_per_entry_refuses_a_piece_that_does_not_start_at_an_entry():
+    message = error_of(lambda: dcp.elements_per_entry(
+        torch.optim.Adam, {"block_size": 256}, "exp_avg_absmax", torch.zeros(2), (100, 612),
+        5000))
+    assert message == (
+        "ValueError: Invalid state['exp_avg_absmax']: 2 entries for elements [100, 612) of a "
+        "parameter of 5000 (expected one entry per 256 elements, the piece starting at an "
+        "entry)")
+
+
+def test_dcp_crc32_combine_equals_the_crc_of_the_concatenation():
+    for a, b in [(b"", b"x"), (b"distopt", b""), (bytes(range(256)) * 3, b"\x00" * 1000)]:
+        assert dcp.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
