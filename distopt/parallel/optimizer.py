@@ -203,6 +203,8 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self._engine = DataParallelEngine(self, options, inner if eager else None, groups,
                                           args, kwargs, outside)
         engine = self._engine
+        if not eager:  # the compiled steps hold the state: ``state`` shows it
+            self.state = _state.CompiledStateView(engine)
         logger.info(
             "rank %d of %d: %d parameters in %d buckets, %s, compression=%r, sync=%r",
             rank, world_size, len(engine.bucketed), len(engine.buckets),

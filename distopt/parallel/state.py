@@ -11,7 +11,8 @@ loaded, so a refused one leaves every group as it was. The functions on
 ``DataParallelOptimizer``'s state take its engine (``distopt.parallel.engine``).
 """
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -25,7 +26,7 @@ from distopt.parallel.units import CompiledUnits
 from distopt.saved_state import CheckedState, SavedStateSpec, check_state_dict
 from distopt.surface import indexed_groups, state_dict_with_hooks
 
-__all__ = ["adopt_groups", "checked_loader", "checked_residuals", "compiled_state_dict",
+__all__ = ["CompiledStateView", "adopt_groups", "checked_loader", "checked_residuals", "compiled_state_dict",
            "foreign_residuals", "load_checked", "load_plan", "put_residuals", "residuals", "spec_for",
            "state_dict", "warn_residuals_once"]
 
@@ -306,3 +307,38 @@ def foreign_residuals(state_dict: Dict[str, Any], name: str, rank: int, world_si
         f"error feedback of what it did not send, so this rank now holds another rank's, and "
         f"the run drifts from one that kept its own (expected {remedy})"
     )
+
+
+class CompiledStateView(Mapping):
+    """``opt.state`` of a compiled ``DataParallelOptimizer``: a read-only view, parameter ->
+    the state the compiled steps hold for it on this rank now (a piece's, sharded), in
+    torch.optim's format.
+
+    torch.optim keeps ``state`` itself; the compiled steps keep theirs, so without this view
+    ``opt.state`` would stay empty, and torch's ``get_state_dict(model, opt)`` takes an empty
+    ``state`` for an optimizer that never stepped and initialises it with a step of lr 0 on
+    zero gradients: a silent extra step (step counts + 1, moments decayed). With the view it
+    reads the state as it is (``opt.state_dict()``).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._params = [p for g in engine.param_groups for p in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+
+    def _by_index(self) -> Dict[int, Dict[str, Any]]:
+        return self._engine.units.torch_state(copy=False)
+
+    def __getitem__(self, param: Any) -> Dict[str, Any]:
+        i = self._index.get(id(param))
+        state = self._by_index()
+        if i is None or i not in state:
+            raise KeyError(param)
+        return dict(state[i])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([self._params[i] for i in sorted(self._by_index())])
+
+    def __len__(self) -> int:
+        return len(self._by_index())
+

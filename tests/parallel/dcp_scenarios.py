@@ -112,7 +112,40 @@ def save_on_two(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                      "dtypes": sorted({str(v.dtype) for e in whole["state"].values()
                                        for v in e.values()})}
     out["corrupt"] = {"file": _corrupt_copy(rank, path), **_refused(rank, path)}
+    out["torch_path"] = _torch_path(rank, os.path.join(path, "torch_path"))
     return out
+
+
+def _torch_path(rank: int, where: str) -> Dict[str, Any]:
+    """torch's own calls on an unsharded optimizer: ``get_state_dict(model, opt)`` reads the
+    state as it is (``opt.state`` shows the compiled steps' state, so torch does not
+    initialise it with a step of lr 0), ``dcp.save`` / ``dcp.load`` and
+    ``set_optimizer_state_dict`` resume exactly."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
+
+    model = _model()
+    opt = _make("adam", model, None)
+    batches = _batches(rank)
+    mse_steps(model, opt, batches[:SAVED_AT])
+    before = opt.state_dict()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    untouched = identical(opt.state_dict(), before)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
+    mse_steps(model, opt, batches[SAVED_AT:])
+    straight = flat_params(model)
+    opt.close()
+    model = _model()
+    resumed = _make("adam", model, None)
+    model_sd, optim_sd = get_state_dict(model, resumed)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=where)
+    model.load_state_dict(sd["model"])
+    set_optimizer_state_dict(model, resumed, sd["optim"])
+    loaded = identical(resumed.state_dict()["state"], before["state"])
+    mse_steps(model, resumed, batches[SAVED_AT:])
+    resumed.close()
+    return {"untouched": untouched, "loaded": loaded,
+            "equal": torch.equal(flat_params(model), straight)}
 
 
 def _corrupt_copy(rank: int, path: str) -> Any:

@@ -156,6 +156,15 @@ def test_dcp_each_rank_writes_its_own_shard_only(dcp_saved, name):
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(got[0]["files"])
 
 
+def test_torchs_get_state_dict_reads_the_state_without_stepping_and_resumes(dcp_saved):
+    """torch's ``get_state_dict`` / ``set_optimizer_state_dict`` around ``dcp.save`` /
+    ``dcp.load``, unsharded: the state read as it is (no hidden step of lr 0), loaded back,
+    and training on equal to the uninterrupted run."""
+    for rank, res in enumerate(dcp_saved[1]):
+        got = res["torch_path"]
+        assert got == {"untouched": True, "loaded": True, "equal": True}, (rank, got)
+
+
 @pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
 def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, name):
     for rank in (0, 1):
