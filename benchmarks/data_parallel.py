@@ -565,14 +565,17 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
     model, opt, payload = build(kind, options, layers, group, world_size)
     x, y = batch
 
-    def one_step() -> float:
+    grads: List[int] = []
+
+    def one_step(probe: bool = False) -> float:
         start = time.perf_counter()
         loss = F.mse_loss(model(x), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if probe:  # after backward, its reduction done
+            grads.append(gradient_bytes(model, opt))
         if scaler is None:
-            loss.backward()
             opt.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()
@@ -585,18 +588,10 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
     times = [one_step() for _ in range(steps)]
     sent = (wchar() - before) / steps
     held = state_bytes(opt)
-    loss = F.mse_loss(model(x), y)
-    (loss if scaler is None else scaler.scale(loss)).backward()
-    grads = gradient_bytes(model, opt)  # after one more backward, its reduction done
-    if scaler is None:
-        opt.step()
-    else:
-        scaler.step(opt)
-        scaler.update()
-    opt.zero_grad()
+    one_step(probe=True)  # untimed
     if isinstance(opt, DataParallelOptimizer):
         opt.close()  # its hooks and threads; the model and optimizer go when this returns
-    return {"times": times, "sent": sent, "payload": payload, "state": held, "grads": grads}
+    return {"times": times, "sent": sent, "payload": payload, "state": held, "grads": grads[0]}
 
 
 def gradient_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -57,6 +57,8 @@ class Bucket:
         residual: with error feedback, what the compression has not sent yet (the
             gradient part's shape); else None.
         shard: with sharded state, this rank's part (``distopt.parallel.shard.Shard``).
+        released: whether ``buffer``'s memory is released (``release``): its views must not
+            be read until ``materialize``.
         watched: the tensor whose in-place changes count as a change of ``.grad`` after the
             step read it (``changed_since_step``): ``buffer``, or, with sharded gradients,
             this rank's gradient shard (``Shard.keep_gradients``).
@@ -92,6 +94,7 @@ class Bucket:
         self.shard: Any = None
         self.units: List[Tuple[int, List[Any], List[Any]]] = []
         self.watched = self.buffer
+        self.released = False
 
     @classmethod
     def of_ddp(cls, index: int, params: List[Tensor], ddp_buffer: Tensor) -> "Bucket":
@@ -133,22 +136,19 @@ class Bucket:
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
 
-    @property
-    def released(self) -> bool:
-        """Whether ``buffer``'s memory is released (``release``): its views must not be read."""
-        return self.buffer.untyped_storage().nbytes() == 0 and self.buffer.numel() > 0
-
     def release(self) -> None:
         """Free ``buffer``'s memory (sharded gradients, once this rank's part is reduced out
         of it): every view of it (``grads``, ``flags``) keeps its shape but has no memory
         behind it until ``materialize``, so nothing outside this bucket may hold one."""
         self.buffer.untyped_storage().resize_(0)
+        self.released = True
 
     def materialize(self) -> None:
         """Give ``buffer`` its memory back after ``release``, not zeroed: the reducing pass
         that calls it writes every slot (a gradient, or zeros) and the flags before the
         bucket is sent."""
         self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        self.released = False
 
     def reset(self) -> None:
         """Forget the window that ended (its gradients stay in the buffer)."""

@@ -7,8 +7,8 @@ bucket is stepped by compiled functional optimizers (one per bucket and param gr
 couples parameters, so stepping bucket by bucket equals one step, bit for bit. Classes with
 no functional twin step eagerly after the last bucket. This module holds the public
 methods and holds the engine (``distopt.parallel.engine``); each other job has a module:
-``arguments``, ``plan``, ``units``, ``status``, ``shard``, ``state``, ``checkpoint``,
-``teardown``, ``join``, ``buffers``, ``amp``.
+``arguments``, ``plan``, ``units``, ``status``, ``shard``, ``scatter``, ``state``,
+``checkpoint``, ``teardown``, ``join``, ``buffers``, ``amp``.
 
 One backward pass, as data (``distopt.parallel.engine`` holds each part):
 backward → the parameter's post-accumulate-grad hook (``reducer.GradientReducer.on_grad``;

@@ -2,7 +2,9 @@
 buffer the updated parameters are gathered in.
 
 With ``shard="param"`` or ``"flat"`` every rank still receives the whole averaged gradient
-(gloo's reduce_scatter sends what an all_reduce sends, so nothing is saved by scattering),
+(gloo's reduce_scatter sends what an all_reduce sends, so nothing is saved by scattering;
+with ``shard_gradients=True``, ``"flat"`` only, each rank receives its own run through an
+all_to_all instead: ``distopt.parallel.scatter``, ``Shard.keep_gradients``),
 but each rank keeps optimizer state for, and steps, only its own *pieces*: ranges of
 elements of the bucket's parameters. The updated pieces are then all-gathered into one
 buffer per bucket, ``world_size`` equal parts, rank ``r``'s pieces one after the other in
