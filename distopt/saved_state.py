@@ -23,6 +23,9 @@ __all__ = ["CheckedState", "SavedStateSpec", "check_saved_entry", "check_saved_g
 
 #: State whose shape is its own rather than its parameter's (Adafactor's factored moments).
 _OWN_SHAPE_KEYS = ("row_var", "col_var", "variance")
+#: Blockwise-quantised state (``distopt.optim``, marked by ``exp_avg_absmax``): codes and
+#: scales have shapes of their own, which the class's own check reads.
+_BLOCKWISE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 class SavedStateSpec(NamedTuple):
@@ -199,6 +202,7 @@ def check_saved_entry(
             continue
         if (
             value.dim() > 0 and key != "step" and key not in _OWN_SHAPE_KEYS
+            and not ("exp_avg_absmax" in entry and key in _BLOCKWISE_KEYS)
             and value.shape != shape and value.numel() > 1
         ):
             raise ValueError(

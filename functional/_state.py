@@ -121,6 +121,7 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
             f"Invalid state_dict: param group holds {len(group['params'])} parameters "
             f"(expected {n}, numbered 0..{n - 1})"
         )
+    blockwise = bool(getattr(obj, "blockwise", False))
     for i, entry in state_dict["state"].items():
         if not 0 <= int(i) < n:
             raise ValueError(f"Invalid state_dict: state for parameter {i!r} (expected 0..{n - 1})")
@@ -133,8 +134,9 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
                     f"(expected a Tensor)"
                 )
             if value.dim() > 0 and key != "step" and value.shape != p.shape and value.numel() > 1:
-                # Factored or per-row state (Adafactor's row_var / col_var) has its own shape.
-                if key in ("row_var", "col_var", "variance"):
+                # Factored or per-row state (Adafactor's row_var / col_var) has its own shape;
+                # so has blockwise-quantised state, which its class's check_state checks.
+                if key in ("row_var", "col_var", "variance") or blockwise:
                     continue
                 raise ValueError(
                     f"Invalid state_dict: state[{i}][{key!r}] has shape {tuple(value.shape)} "

@@ -121,6 +121,9 @@ class DataParallelEngine:
          rebuild_buckets) = options
         self.optimizer_class = surface.optimizer_class
         self.hyper_keys = [k for k in surface.param_groups[0] if k != "params"]
+        #: A blockwise-quantised class's layout, which the shards' cuts respect (sharded only).
+        self.blocks = (_shard.blocks_of(self.optimizer_class, surface.param_groups)
+                       if self.shard is not None else None)
         self.eager = eager
         self.status = StepStatus(options.overlap and eager is None)
         self.join = _join.JoinState()
@@ -221,11 +224,11 @@ class DataParallelEngine:
         """The shards and one compiled step per (bucket, param group)."""
         if self.shard is not None:
             _shard.attach(self.buckets, self.world_size, self.rank, self.shard,
-                          self.optimizer_class)
+                          self.optimizer_class, self.blocks)
         args, kwargs, options = self.build_args
         self.reduction.prepare(self.buckets)
         units, of_group = _plan.cut_units(self.buckets, self.group_of, self.shard, options,
-                                          len(self.param_groups))
+                                          len(self.param_groups), self.blocks is not None)
         self.units.compile(units if self.eager is None else [], of_group, args, kwargs,
                            self.param_groups)
 

@@ -16,10 +16,13 @@ __all__ = ["arrival_order", "cut_units", "layout_buckets"]
 
 
 def cut_units(buckets: Sequence[Bucket], group_of: List[int], shard: Optional[str],
-              options: List[Dict[str, Any]], n_groups: int) -> Tuple[List[Unit], List[List[int]]]:
+              options: List[Dict[str, Any]], n_groups: int,
+              whole_sizes: bool = False) -> Tuple[List[Unit], List[List[int]]]:
     """One unit per (bucket, param group): what it steps (sharded: this rank's pieces,
     views of the shard's buffer), and each group's units. Sets each bucket's ``units``:
-    (unit, slots, gradient views) per unit it holds."""
+    (unit, slots, gradient views) per unit it holds. ``whole_sizes``: sharded units also
+    get the element counts of the parameters their pieces are of (a blockwise class decides
+    from them what it quantises)."""
     of_group: List[List[int]] = [[] for _ in range(n_groups)]
     units: List[Unit] = []
     for bucket in buckets:
@@ -34,8 +37,12 @@ def cut_units(buckets: Sequence[Bucket], group_of: List[int], shard: Optional[st
             by_group.setdefault(group_of[bucket.positions[member[0]]], []).append(member)
         for j, ms in sorted(by_group.items()):
             of_group[j].append(len(units))
+            unit_options = options[j]
+            if whole_sizes and shard is not None:
+                sizes = [bucket.params[k].numel() for k, _, _ in ms]
+                unit_options = {**options[j], "whole_sizes": sizes}
             units.append(Unit([t for _, t, _ in ms], [bucket.positions[k] for k, _, _ in ms],
-                              options[j]))
+                              unit_options))
             bucket.units.append((len(units) - 1, [k for k, _, _ in ms], [g for _, _, g in ms]))
     return units, of_group
 

@@ -25,6 +25,7 @@ class (the same elements meet the same operands in the same lanes), so sharded t
 equals unsharded training exactly.
 """
 import itertools
+import math
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -36,7 +37,7 @@ from distopt.parallel.sync import all_gather_named
 from distopt.profiling import profiler_range
 
 __all__ = [
-    "ALIGN", "MODES", "SHAPED", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
+    "ALIGN", "BLOCKWISE_KEYS", "Blocks", "MODES", "SHAPED", "blocks_of", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
     "gather", "gather_all", "gathered_state", "laid_out", "merge_pieces", "own_pieces_of",
     "piece_index", "split", "state_size", "step_own", "store",
 ]
@@ -46,6 +47,41 @@ ALIGN = 64
 MODES = ("param", "flat")
 #: Classes whose update of an element depends on others of its parameter (its shape).
 SHAPED = ("Adafactor", "Muon")
+#: Keys of blockwise-quantised state (``distopt.optim``): codes and one scale per block,
+#: cut at block boundaries (``Blocks``), not laid out like the elements.
+BLOCKWISE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+class Blocks(NamedTuple):
+    """How a blockwise-quantised class lays its state out: ``bits`` per code (8, or 4 packed
+    two to a byte) and ``size`` elements per scale. A ``"flat"`` cut falls at a multiple of
+    ``size`` from its parameter's start, so a piece holds whole blocks (the last may be short)."""
+
+    bits: int
+    size: int
+
+
+def blocks_of(optimizer_class: type, param_groups: Sequence[Dict[str, Any]]) -> Optional[Blocks]:
+    """The ``Blocks`` of a blockwise-quantised class (its ``blockwise_bits`` and the groups'
+    ``block_size``), None for any other class.
+
+    Raises:
+        ValueError: the groups' block sizes differ (a cut must respect every group's).
+    """
+    bits = getattr(optimizer_class, "blockwise_bits", None)
+    if bits is None:
+        return None
+    sizes = sorted({int(g["block_size"]) for g in param_groups})
+    if len(sizes) != 1:
+        raise ValueError(
+            f"Invalid block_size: {sizes} in the param groups of a sharded "
+            f"{optimizer_class.__name__} (expected one block_size for every group)"
+        )
+    return Blocks(int(bits), sizes[0])
+
+
+def _quantised(entry: Dict[str, Any]) -> bool:
+    return isinstance(entry, dict) and "exp_avg_absmax" in entry
 
 
 class Piece(NamedTuple):
@@ -166,13 +202,15 @@ class Shard:
 
 
 def attach(buckets: Sequence[Bucket], world_size: int, rank: int, mode: str,
-           optimizer_class: type) -> None:
-    """Give each bucket its ``Shard``, the state balanced by ``state_size`` over the ranks."""
+           optimizer_class: type, blocks: Optional[Blocks] = None) -> None:
+    """Give each bucket its ``Shard``, the state balanced by ``state_size`` over the ranks;
+    ``blocks``: a blockwise-quantised class's layout, whose blocks no cut may split."""
     adafactor = getattr(torch.optim, "Adafactor", None)
     name = "Adafactor" if adafactor and issubclass(optimizer_class, adafactor) else ""
+    align = ALIGN if blocks is None else math.lcm(ALIGN, blocks.size)
     pieces = split(buckets, world_size, mode, [
         [state_size(name, p) * p.element_size() for p in b.params] for b in buckets
-    ])
+    ], align)
     for bucket, parts in zip(buckets, pieces):
         bucket.shard = Shard(bucket, parts, rank, whole=mode == "param")
 
@@ -205,10 +243,12 @@ def state_size(class_name: str, p: Tensor) -> int:
 
 
 def split(
-    buckets: Sequence[Bucket], world_size: int, mode: str, weights: Sequence[Sequence[int]]
+    buckets: Sequence[Bucket], world_size: int, mode: str, weights: Sequence[Sequence[int]],
+    align: int = ALIGN,
 ) -> List[List[List[Piece]]]:
     """``out[b][r]``: rank ``r``'s pieces of bucket ``b``; ``weights[b][k]``: the state
-    bytes parameter ``k`` of bucket ``b`` costs, for balancing ``"param"``."""
+    bytes parameter ``k`` of bucket ``b`` costs, for balancing ``"param"``; ``align``: a
+    ``"flat"`` cut inside a parameter falls at a multiple of it from the parameter's start."""
     if mode == "param":
         load = [0] * world_size
         out = []
@@ -223,10 +263,10 @@ def split(
                 part.sort()
             out.append(parts)
         return out
-    return [_split_flat(bucket, world_size) for bucket in buckets]
+    return [_split_flat(bucket, world_size, align) for bucket in buckets]
 
 
-def _split_flat(bucket: Bucket, world_size: int) -> List[List[Piece]]:
+def _split_flat(bucket: Bucket, world_size: int, align: int) -> List[List[Piece]]:
     sizes = [p.numel() for p in bucket.params]
     total = sum(sizes)
     # A parameter in another memory order is not cut: a piece of it could not be laid out
@@ -235,7 +275,7 @@ def _split_flat(bucket: Bucket, world_size: int) -> List[List[Piece]]:
     cuts = [0]
     for r in range(1, world_size):
         target = total * r / world_size
-        cuts.append(max(cuts[-1], _allowed_near(bucket.offsets, sizes, whole, target)))
+        cuts.append(max(cuts[-1], _allowed_near(bucket.offsets, sizes, whole, target, align)))
     cuts.append(total)
     parts: List[List[Piece]] = []
     for r in range(world_size):
@@ -250,29 +290,30 @@ def _split_flat(bucket: Bucket, world_size: int) -> List[List[Piece]]:
 
 
 def _allowed_near(offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[bool],
-                  target: float) -> int:
-    """The cut nearest ``target``: a parameter boundary, or a multiple of ALIGN elements
+                  target: float, align: int) -> int:
+    """The cut nearest ``target``: a parameter boundary, or a multiple of ``align`` elements
     from the start of the parameter it falls in (unless that one is ``whole``)."""
     for offset, n, keep in zip(offsets, sizes, whole):
         if offset <= target < offset + n:
             if keep:
                 return offset if target - offset <= offset + n - target else offset + n
-            below = offset + int((target - offset) // ALIGN) * ALIGN
-            above = min(below + ALIGN, offset + n)
+            below = offset + int((target - offset) // align) * align
+            above = min(below + align, offset + n)
             return below if target - below <= above - target else above
     return offsets[-1] + sizes[-1] if offsets else 0
 
 
 def cut_state(
     entry: Dict[str, Any], have: Tuple[int, int, torch.Size], want: Tuple[int, int, torch.Size],
-    where: str,
+    where: str, blocks: Optional[Blocks] = None,
 ) -> Dict[str, Any]:
     """The state of elements ``want`` of one parameter, from the state of elements ``have``
     (``(start, stop, shape)`` each, ``want`` inside ``have``).
 
     A tensor laid out like the elements (shape ``have[2]``) is cut; a 0-dim one (a step
     count, ASGD's ``eta``) is shared by every element and kept. Whole-to-whole keeps the
-    entry as it is (Adafactor's factored moments have other shapes).
+    entry as it is (Adafactor's factored moments have other shapes). Blockwise-quantised
+    codes and scales are cut at ``blocks``' boundaries (``cut_blocks``).
 
     Raises:
         ValueError: a tensor that can be neither, naming ``where`` and the key.
@@ -284,7 +325,9 @@ def cut_state(
                 for k, v in entry.items()}
     out = {}
     for key, value in entry.items():
-        if isinstance(value, Tensor) and value.dim() > 0:
+        if blocks is not None and _quantised(entry) and key in BLOCKWISE_KEYS:
+            out[key] = cut_blocks(key, value, c - a, d - a, blocks)
+        elif isinstance(value, Tensor) and value.dim() > 0:
             if tuple(value.shape) != tuple(have_shape):
                 raise ValueError(
                     f"Invalid {where}[{key!r}]: shape {tuple(value.shape)} (expected "
@@ -296,6 +339,18 @@ def cut_state(
     return out
 
 
+def cut_blocks(key: str, value: Tensor, start: int, stop: int, blocks: Blocks) -> Tensor:
+    """Elements ``[start, stop)`` (``start`` a multiple of ``blocks.size``) of blockwise state
+    ``value``: their codes (one a byte at 8 bits, two at 4) or their blocks' scales."""
+    if key.endswith("_absmax"):
+        lo, hi = start // blocks.size, -(-stop // blocks.size)
+    elif blocks.bits == 8:
+        lo, hi = start, stop
+    else:
+        lo, hi = start // 2, -(-stop // 2)
+    return value.reshape(-1)[lo:hi].clone()
+
+
 def merge_pieces(
     parts: List[Tuple[int, int, Dict[str, Any]]], shape: torch.Size, flat: bool
 ) -> Dict[str, Any]:
@@ -305,8 +360,12 @@ def merge_pieces(
         return parts[0][2]
     parts = sorted(parts, key=lambda t: t[0])
     out = {}
+    quantised = _quantised(parts[0][2])
     for key, value in parts[0][2].items():
-        if isinstance(value, Tensor) and value.dim() > 0:
+        if quantised and key in BLOCKWISE_KEYS:
+            # whole blocks in each piece: the codes and scales follow one another
+            out[key] = torch.cat([e[key].reshape(-1) for _, _, e in parts])
+        elif isinstance(value, Tensor) and value.dim() > 0:
             out[key] = torch.cat([e[key].reshape(-1) for _, _, e in parts]).view(shape)
         else:
             out[key] = value
@@ -374,7 +433,7 @@ def own_pieces_of(opt: Any, state: Dict[int, Dict[str, Any]], saved_ids: Sequenc
         if i in state:
             p = opt.bucketed[i]
             out[i] = cut_state(state[i], (0, p.numel(), p.shape), want,
-                               f"state_dict['state'][{saved_ids[i]!r}]")
+                               f"state_dict['state'][{saved_ids[i]!r}]", opt.blocks)
     return out
 
 
@@ -393,6 +452,9 @@ def check_laid_out(opt: Any, state: Dict[int, Dict[str, Any]]) -> None:
         if i not in opt.bucketed or not isinstance(entry, dict):
             continue  # not trained here, or not an entry: the other checks name it
         shape = list(opt.bucketed[i].shape)
+        if opt.blocks is not None and _quantised(entry):
+            _check_blocks(i, entry, opt.bucketed[i].numel(), opt.blocks)
+            continue
         for key, value in entry.items():
             if key == "step":
                 continue  # 0-dim: the compiled steps' own check names any other shape
@@ -401,6 +463,20 @@ def check_laid_out(opt: Any, state: Dict[int, Dict[str, Any]]) -> None:
                     f"Invalid state[{i}][{key!r}]: shape {list(value.shape)} (expected {shape} "
                     f"for params[{i}] of shape {shape})"
                 )
+
+
+def _check_blocks(i: int, entry: Dict[str, Any], n: int, blocks: Blocks) -> None:
+    """That the blockwise state of a parameter of ``n`` elements has its codes and scales."""
+    codes = n if blocks.bits == 8 else -(-n // 2)
+    for key in BLOCKWISE_KEYS:
+        value = entry.get(key)
+        want = -(-n // blocks.size) if key.endswith("_absmax") else codes
+        if not isinstance(value, Tensor) or value.numel() != want:
+            got = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"Invalid state[{i}][{key!r}]: {got} (expected {want} values for params[{i}] "
+                f"of {n} elements in blocks of {blocks.size} at {blocks.bits} bits)"
+            )
 
 
 def step_own(buckets: Sequence[Bucket], step: Callable[[], None]) -> None:

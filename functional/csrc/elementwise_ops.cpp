@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -1432,6 +1433,464 @@ void adafactor(at::TensorList params, at::TensorList grads, at::TensorList steps
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Adam and AdamW on blockwise-quantised state (distopt.optim.Adam8bit, AdamW8bit, AdamW4bit).
+//
+// The two moments are kept as one code per element (8 bits, or 4 bits packed two to a byte)
+// and one float32 scale per block of ``block_size`` elements. One pass per block of a
+// parameter: decode both moments, update them and the parameter in float32, encode them again
+// with the block's new absolute maximum. Nothing is written back but the parameter, the codes
+// and the scales.
+//
+// The arithmetic is bitsandbytes' CPU AdamW8bit (0.50), op for op as torch computes its ops:
+//   m = m * b1 + (1 - b1) * g           (torch's add with alpha: one fused multiply-add)
+//   v = v * b2 + ((1 - b2) * g) * g     (addcmul: one fused multiply-add)
+//   d = sqrt(v) / sqrt(1 - b2^t) + eps  (torch.sqrt: MKL's roots where torch has MKL)
+//   p = p * (1 - lr * wd)               (AdamW; Adam adds wd * p to g first)
+//   p = p + (-lr / (1 - b1^t)) * m / d  (addcdiv)
+// and its 8-bit encoding: x / absmax is rounded to the nearest of 256 codes through a table of
+// 65,536 bins of [-1, 1] (a code per bin: the one nearest the bin's value), the bin taken as
+// trunc(fma((x * (1 / absmax) + 1) / 2, 65535, 0.5)); a block of zeros keeps code 0.
+// The 4-bit encoding is torchao's (AdamW4bit): x / max(absmax, 1e-12) rounded to the nearest
+// of 16 codes, a tie to the upper one, codes packed high nibble first.
+//
+// Blocks are cut from the start of each segment (a parameter; in a flat buffer, each member),
+// so a piece of a parameter that starts at a multiple of ``block_size`` from its start has the
+// same blocks, codes and scales as the whole parameter: sharded runs give the same bits.
+
+constexpr int64_t kLutBins = 65536;
+
+// The 8-bit table: bin i (value -1 + 2i / 65535) -> the index of the nearest code.
+std::vector<uint8_t> build_code_table(const float* code) {
+  std::array<float, 255> mid{};
+  for (int i = 0; i < 255; ++i) {
+    mid[i] = 0.5f * (code[i] + code[i + 1]);
+  }
+  std::vector<uint8_t> table(kLutBins);
+  int k = 0;
+  for (int64_t i = 0; i < kLutBins; ++i) {
+    const float value = -1.0f + (2.0f * static_cast<float>(i)) / static_cast<float>(kLutBins - 1);
+    while (k < 255 && mid[k] < value) {
+      ++k;
+    }
+    table[i] = static_cast<uint8_t>(k);
+  }
+  return table;
+}
+
+// Tables by code book, built once each (a process holds a handful: one per map).
+const uint8_t* code_table(const float* code) {
+  static std::mutex lock;
+  static std::vector<std::pair<std::array<float, 256>, std::vector<uint8_t>>> tables;
+  std::array<float, 256> key{};
+  std::copy(code, code + 256, key.begin());
+  std::lock_guard<std::mutex> guard(lock);
+  for (const auto& [book, table] : tables) {
+    if (book == key) {
+      return table.data();
+    }
+  }
+  tables.emplace_back(key, build_code_table(code));
+  return tables.back().second.data();
+}
+
+// Square roots of x[0..n) in place, as torch.sqrt takes them.
+inline void roots(float* x, int64_t n) {
+  if (sqrt_is_mkl<float>()) {
+    mkl_sqrt(x, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] = std::sqrt(x[i]);
+    }
+  }
+}
+
+// The largest |x| of a block (NaNs aside, the order of a max does not change it).
+inline float block_absmax(const float* x, int64_t n) {
+  float absmax = 0.0f;
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_max_ps(acc, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float lane : lanes) {
+    absmax = std::max(absmax, lane);
+  }
+#endif
+  for (; i < n; ++i) {
+    absmax = std::max(absmax, std::fabs(x[i]));
+  }
+  return absmax;
+}
+
+// One moment's codes: decode a block to float32, encode a block from float32.
+struct Codec8 {
+  const float* code;
+  const uint8_t* table;
+  void decode(const uint8_t* q, float scale, float* out, int64_t n) const {
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 c = _mm256_setr_ps(code[q[i]], code[q[i + 1]], code[q[i + 2]], code[q[i + 3]],
+                                      code[q[i + 4]], code[q[i + 5]], code[q[i + 6]], code[q[i + 7]]);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(c, s));
+    }
+#endif
+    for (; i < n; ++i) {
+      out[i] = code[q[i]] * scale;
+    }
+  }
+  static float absmax_of(const float* x, int64_t n) {
+    return block_absmax(x, n);
+  }
+  float encode(const float* x, uint8_t* q, int64_t n) const {
+    const float absmax = absmax_of(x, n);
+    if (absmax == 0.0f) {
+      std::fill(q, q + n, uint8_t(0));
+      return absmax;
+    }
+    const float inverse = 1.0f / absmax;
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+    const __m256 inv = _mm256_set1_ps(inverse), lo = _mm256_set1_ps(-1.0f), hi = _mm256_set1_ps(1.0f);
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), bins = _mm256_set1_ps(65535.0f);
+    for (; i + 8 <= n; i += 8) {
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
+      v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+      const __m256 t = _mm256_mul_ps(_mm256_add_ps(v, one), half);
+      alignas(32) int32_t bin[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bin), _mm256_cvttps_epi32(_mm256_fmadd_ps(t, bins, half)));
+      for (int j = 0; j < 8; ++j) {
+        q[i + j] = table[bin[j]];
+      }
+    }
+#endif
+    for (; i < n; ++i) {
+      const float v = std::clamp(x[i] * inverse, -1.0f, 1.0f);
+      q[i] = table[static_cast<uint16_t>(std::fma((v + 1.0f) * 0.5f, 65535.0f, 0.5f))];
+    }
+    return absmax;
+  }
+};
+
+struct Codec4 {
+  const float* code;  // 16 codes, ascending
+  static uint8_t nearest(const float* c, float v) {
+    int k = v >= c[8] ? 8 : 0;
+    k += v >= c[k + 4] ? 4 : 0;
+    k += v >= c[k + 2] ? 2 : 0;
+    k += v >= c[k + 1] ? 1 : 0;
+    const int up = std::min(k + 1, 15);
+    return static_cast<uint8_t>(v - c[k] >= (c[up] - c[k]) * 0.5f ? up : k);
+  }
+  void decode(const uint8_t* q, float scale, float* out, int64_t n) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t byte = q[i / 2];
+      out[i] = code[(i % 2 == 0) ? (byte >> 4) : (byte & 0xF)] * scale;
+    }
+  }
+  float encode(const float* x, uint8_t* q, int64_t n) const {
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      absmax = std::max(absmax, std::fabs(x[i]));
+    }
+    const float scale = std::max(absmax, 1e-12f);
+    for (int64_t i = 0; i < n; i += 2) {
+      const uint8_t hi = nearest(code, x[i] / scale);
+      const uint8_t lo = i + 1 < n ? nearest(code, x[i + 1] / scale) : uint8_t(0);
+      q[i / 2] = static_cast<uint8_t>((hi << 4) | lo);
+    }
+    return scale;
+  }
+};
+
+// Where block b lies: its first element, its length, its first code byte.
+struct BlockAt {
+  int64_t start, length, code;
+};
+
+// The blocks of a tensor made of segments of the given lengths (one segment: the tensor).
+std::vector<BlockAt> blocks_of(int64_t numel, c10::ArrayRef<int64_t> segments, int64_t block,
+                               int bits) {
+  std::vector<BlockAt> out;
+  int64_t start = 0, code = 0;
+  auto cut = [&](int64_t length) {
+    for (int64_t at = 0; at < length; at += block) {
+      const int64_t n = std::min(block, length - at);
+      out.push_back({start + at, n, code});
+      code += bits == 8 ? n : (n + 1) / 2;
+    }
+    start += length;
+  };
+  if (segments.empty()) {
+    cut(numel);
+  } else {
+    for (int64_t length : segments) {
+      cut(length);
+    }
+  }
+  return out;
+}
+
+// The scalars of one step, as torch would round each (double arithmetic, then float).
+struct AdamScalars {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, correction2, eps, decay, neg_step, l2;
+  bool decoupled, maximize;
+  AdamScalars(double lr, double b1, double b2, double eps_, double wd, bool decoupled_, bool maximize_,
+              double t)
+      : beta1(static_cast<float>(b1)), beta2(static_cast<float>(b2)),
+        one_minus_beta1(static_cast<float>(1.0 - b1)), one_minus_beta2(static_cast<float>(1.0 - b2)),
+        correction2(static_cast<float>(std::sqrt(1.0 - std::pow(b2, t)))), eps(static_cast<float>(eps_)),
+        decay(static_cast<float>(1.0 - lr * wd)), neg_step(static_cast<float>(-lr / (1.0 - std::pow(b1, t)))),
+        l2(static_cast<float>(wd)), decoupled(decoupled_ && wd > 0.0), maximize(maximize_) {
+    if (decoupled_) {
+      l2 = 0.0f;
+    }
+  }
+};
+
+// The moments' update of n elements (m, v decoded; root: where sqrt's argument goes), one
+// branch-free loop per case so that each vectorises.
+template <typename scalar_t>
+void moments(const scalar_t* p, const scalar_t* g, float* m, float* v, float* root, int64_t n,
+             const AdamScalars& k) {
+  auto body = [&](auto grad_of) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float grad = grad_of(i);
+      m[i] = std::fma(grad, k.one_minus_beta1, m[i] * k.beta1);
+      v[i] = std::fma(k.one_minus_beta2 * grad, grad, v[i] * k.beta2);
+      root[i] = v[i];
+    }
+  };
+  const float sign = k.maximize ? -1.0f : 1.0f;
+  if (k.l2 != 0.0f) {
+    body([&](int64_t i) { return std::fma(static_cast<float>(p[i]), k.l2, sign * static_cast<float>(g[i])); });
+  } else if (k.maximize) {
+    body([&](int64_t i) { return -static_cast<float>(g[i]); });
+  } else {
+    body([&](int64_t i) { return static_cast<float>(g[i]); });
+  }
+}
+
+// One step over blocks [first, last) of one tensor; m, v: scratch of the blocks' elements.
+template <typename scalar_t, typename Codec>
+void blockwise_adam_range(scalar_t* p, const scalar_t* g, uint8_t* q1, float* s1, uint8_t* q2,
+                          float* s2, const std::vector<BlockAt>& blocks, int64_t first,
+                          int64_t last, const Codec& c1, const Codec& c2, const AdamScalars& k) {
+  constexpr int64_t kChunk = 8192;  // elements decoded at once: 2 x 32 KiB of float32
+  std::vector<float> m(kChunk), v(kChunk), roots_buffer(kChunk);
+  int64_t b = first;
+  while (b < last) {
+    // As many whole blocks as fit in the chunk (at least one).
+    int64_t e = b, n = 0;
+    while (e < last && (e == b || n + blocks[e].length <= kChunk)) {
+      n += blocks[e].length;
+      ++e;
+    }
+    if (static_cast<int64_t>(m.size()) < n) {
+      m.resize(n);
+      v.resize(n);
+      roots_buffer.resize(n);
+    }
+    const int64_t origin = blocks[b].start;
+    for (int64_t j = b; j < e; ++j) {
+      const BlockAt& at = blocks[j];
+      c1.decode(q1 + at.code, s1[j], m.data() + (at.start - origin), at.length);
+      c2.decode(q2 + at.code, s2[j], v.data() + (at.start - origin), at.length);
+    }
+    float* root = roots_buffer.data();
+    moments(p + origin, g + origin, m.data(), v.data(), root, n, k);
+    roots(root, n);
+    if (k.decoupled) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float denom = root[i] / k.correction2 + k.eps;
+        p[origin + i] = static_cast<scalar_t>(static_cast<float>(p[origin + i]) * k.decay + k.neg_step * m[i] / denom);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float denom = root[i] / k.correction2 + k.eps;
+        p[origin + i] = static_cast<scalar_t>(static_cast<float>(p[origin + i]) + k.neg_step * m[i] / denom);
+      }
+    }
+    for (int64_t j = b; j < e; ++j) {
+      const BlockAt& at = blocks[j];
+      s1[j] = c1.encode(m.data() + (at.start - origin), q1 + at.code, at.length);
+      s2[j] = c2.encode(v.data() + (at.start - origin), q2 + at.code, at.length);
+    }
+    b = e;
+  }
+}
+
+// bitsandbytes' float32-state step (its AdamW8bit keeps parameters under min_8bit_size so):
+//   d = sqrt(v) + eps * sqrt(1 - b2^t);  p = p + (-lr * sqrt(1 - b2^t) / (1 - b1^t)) * (m / d)
+template <typename scalar_t>
+void float_state_adam(scalar_t* p, const scalar_t* g, float* m, float* v, int64_t n,
+                      const AdamScalars& k, double lr, double eps, double b1, double b2, double t) {
+  const double c2 = std::sqrt(1.0 - std::pow(b2, t));
+  const float shifted_eps = static_cast<float>(eps * c2);
+  const float step = static_cast<float>(-lr * c2 / (1.0 - std::pow(b1, t)));
+  std::vector<float> root(n);
+  std::vector<float> grads(n);
+  for (int64_t i = 0; i < n; ++i) {
+    float grad = static_cast<float>(g[i]);
+    if (k.maximize) {
+      grad = -grad;
+    }
+    if (k.l2 != 0.0f) {
+      grad = std::fma(static_cast<float>(p[i]), k.l2, grad);
+    }
+    m[i] = std::fma(grad, k.one_minus_beta1, m[i] * k.beta1);
+    v[i] = std::fma(k.one_minus_beta2 * grad, grad, v[i] * k.beta2);
+    root[i] = v[i];
+  }
+  roots(root.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    float w = static_cast<float>(p[i]);
+    if (k.decoupled) {
+      w = w * k.decay;
+    }
+    const float update = m[i] / (root[i] + shifted_eps);
+    p[i] = static_cast<scalar_t>(std::fma(update, step, w));
+  }
+}
+
+// A codes tensor of one parameter: uint8, contiguous, ``bytes`` long; its scales float32,
+// contiguous, one per block.
+void check_codes(size_t i, const char* what, const at::Tensor& q, int64_t bytes,
+                 const at::Tensor& scales, int64_t blocks) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.is_contiguous() &&
+                  q.numel() == bytes,
+              "distopt_kernels::blockwise_adam_: ", what, "[", i, "] must be ", bytes,
+              " contiguous uint8 codes on the CPU, got ", q.numel(), " of ", q.scalar_type());
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && scales.numel() == blocks,
+              "distopt_kernels::blockwise_adam_: ", what, "_absmax[", i, "] must be ", blocks,
+              " contiguous float32 scales on the CPU, got ", scales.numel(), " of ",
+              scales.scalar_type());
+}
+
+void blockwise_adam(at::TensorList params, at::TensorList grads, at::TensorList steps,
+                    at::TensorList exp_avgs, at::TensorList exp_avg_absmax,
+                    at::TensorList exp_avg_sqs, at::TensorList exp_avg_sq_absmax,
+                    const at::Tensor& code1, const at::Tensor& code2, at::IntArrayRef segments,
+                    at::IntArrayRef segment_counts, double lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool decoupled, bool maximize, int64_t bits,
+                    int64_t block_size) {
+  constexpr const char* name = "blockwise_adam_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"exp_avgs", exp_avgs},
+                             {"exp_avg_absmax", exp_avg_absmax}, {"exp_avg_sqs", exp_avg_sqs},
+                             {"exp_avg_sq_absmax", exp_avg_sq_absmax}});
+  TORCH_CHECK(bits == 8 || bits == 4, "distopt_kernels::blockwise_adam_: bits=", bits,
+              " (expected 8 or 4)");
+  TORCH_CHECK(block_size > 0 && block_size % 2 == 0, "distopt_kernels::blockwise_adam_: block_size=",
+              block_size, " (expected a positive even number)");
+  const int64_t books = bits == 8 ? 256 : 16;
+  for (const at::Tensor* c : {&code1, &code2}) {
+    TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == at::kFloat && c->is_contiguous() &&
+                    c->numel() == books,
+                "distopt_kernels::blockwise_adam_: a code book of ", bits, " bits must be ", books,
+                " contiguous float32 values, got ", c->numel(), " of ", c->scalar_type());
+  }
+  TORCH_CHECK(segment_counts.empty() || segment_counts.size() == params.size(),
+              "distopt_kernels::blockwise_adam_: ", segment_counts.size(), " segment counts for ",
+              params.size(), " params");
+  const float* book1 = code1.data_ptr<float>();
+  const float* book2 = code2.data_ptr<float>();
+  int64_t segment_at = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    TORCH_CHECK(p.is_contiguous() && grads[i].is_contiguous() && p.scalar_type() != at::kDouble,
+                "distopt_kernels::blockwise_adam_: params[", i,
+                "] and its gradient must be contiguous float32, float16 or bfloat16");
+    const int64_t count = segment_counts.empty() ? 0 : segment_counts[i];
+    TORCH_CHECK(segment_at + count <= static_cast<int64_t>(segments.size()),
+                "distopt_kernels::blockwise_adam_: segment counts exceed the segments");
+    const auto own = segments.slice(segment_at, count);
+    segment_at += count;
+    int64_t covered = 0;
+    for (int64_t length : own) {
+      covered += length;
+    }
+    TORCH_CHECK(own.empty() || covered == p.numel(), "distopt_kernels::blockwise_adam_: the segments of params[",
+                i, "] cover ", covered, " of its ", p.numel(), " elements");
+    const std::vector<BlockAt> blocks = blocks_of(p.numel(), own, block_size, static_cast<int>(bits));
+    const int64_t bytes = blocks.empty() ? 0 : blocks.back().code + (bits == 8 ? blocks.back().length
+                                                                               : (blocks.back().length + 1) / 2);
+    const int64_t n_blocks = static_cast<int64_t>(blocks.size());
+    check_codes(i, "exp_avgs", exp_avgs[i], bytes, exp_avg_absmax[i], n_blocks);
+    check_codes(i, "exp_avg_sqs", exp_avg_sqs[i], bytes, exp_avg_sq_absmax[i], n_blocks);
+  }
+  const uint8_t* table1 = bits == 8 ? code_table(book1) : nullptr;
+  const uint8_t* table2 = bits == 8 ? code_table(book2) : nullptr;
+  segment_at = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const int64_t count = segment_counts.empty() ? 0 : segment_counts[i];
+    const auto own = segments.slice(segment_at, count);
+    segment_at += count;
+    const std::vector<BlockAt> blocks = blocks_of(p.numel(), own, block_size, static_cast<int>(bits));
+    const double t = advance(name, i, steps[i]);
+    const AdamScalars k(lr, beta1, beta2, eps, weight_decay, decoupled, maximize, t);
+    uint8_t* q1 = exp_avgs[i].data_ptr<uint8_t>();
+    uint8_t* q2 = exp_avg_sqs[i].data_ptr<uint8_t>();
+    float* s1 = exp_avg_absmax[i].data_ptr<float>();
+    float* s2 = exp_avg_sq_absmax[i].data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / block_size);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), name, [&] {
+      scalar_t* pd = p.data_ptr<scalar_t>();
+      const scalar_t* gd = grads[i].const_data_ptr<scalar_t>();
+      at::parallel_for(0, static_cast<int64_t>(blocks.size()), grain, [&](int64_t first, int64_t last) {
+        if (bits == 8) {
+          blockwise_adam_range<scalar_t>(pd, gd, q1, s1, q2, s2, blocks, first, last,
+                                         Codec8{book1, table1}, Codec8{book2, table2}, k);
+        } else {
+          blockwise_adam_range<scalar_t>(pd, gd, q1, s1, q2, s2, blocks, first, last,
+                                         Codec4{book1}, Codec4{book2}, k);
+        }
+      });
+    });
+  }
+}
+
+// The float32-state step of parameters too small to quantise.
+void float_state_adam_list(at::TensorList params, at::TensorList grads, at::TensorList steps,
+                           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
+                           double beta1, double beta2, double eps, double weight_decay,
+                           bool decoupled, bool maximize) {
+  constexpr const char* name = "float_state_adam_";
+  check_lists(name, params, {{"grads", grads}, {"steps", steps}, {"exp_avgs", exp_avgs},
+                             {"exp_avg_sqs", exp_avg_sqs}});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    check_like(name, "grads", i, grads[i], p);
+    TORCH_CHECK(p.is_contiguous() && grads[i].is_contiguous() && p.scalar_type() != at::kDouble,
+                "distopt_kernels::float_state_adam_: params[", i,
+                "] and its gradient must be contiguous float32, float16 or bfloat16");
+    for (const at::Tensor* s : {&exp_avgs[i], &exp_avg_sqs[i]}) {
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == p.numel() &&
+                      s->device().is_cpu(),
+                  "distopt_kernels::float_state_adam_: the moments of params[", i,
+                  "] must be contiguous float32 CPU tensors of its ", p.numel(), " elements");
+    }
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const double t = advance(name, i, steps[i]);
+    const AdamScalars k(lr, beta1, beta2, eps, weight_decay, decoupled, maximize, t);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), name, [&] {
+      float_state_adam<scalar_t>(p.data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(),
+                                 exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(),
+                                 p.numel(), k, lr, eps, beta1, beta2, t);
+    });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(distopt_kernels, m) {
@@ -1469,4 +1928,14 @@ TORCH_LIBRARY(distopt_kernels, m) {
         "Tensor(c!)[] firsts, Tensor(d!)[] seconds, float lr, float beta2_decay, float eps1, "
         "float eps2, float d, float weight_decay, bool maximize, bool factored) -> ()",
         &adafactor);
+  m.def("blockwise_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_absmax, Tensor(e!)[] exp_avg_sqs, "
+        "Tensor(f!)[] exp_avg_sq_absmax, Tensor code1, Tensor code2, int[] segments, "
+        "int[] segment_counts, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, bool decoupled, bool maximize, int bits, int block_size) -> ()",
+        &blockwise_adam);
+  m.def("float_state_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, float lr, float beta1, float beta2, "
+        "float eps, float weight_decay, bool decoupled, bool maximize) -> ()",
+        &float_state_adam_list);
 }
