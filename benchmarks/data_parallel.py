@@ -25,7 +25,14 @@ Configurations, side by side:
   kernel DataParallelOptimizer runs); then, overlapped, ``Cast(bfloat16)``,
   ``Cast(float16)``, ``TopK(0.01)`` (error feedback), ``sync=RoundRobin(4)``, and sharded
   state, ``shard="param"`` and ``shard="flat"`` (each bucket stepped and all-gathered during
-  backward).
+  backward), and ``shard="flat", shard_gradients=True`` (ZeRO-2: each bucket
+  reduce-scattered, one all_to_all, into the rank's part, its buffer released).
+
+Gradient memory: ``grad B/rank`` is what a rank holds in gradients right after the
+backward of one more, untimed, step (the reduction done): ``gradient_bytes()`` for
+DataParallelOptimizer (bucket buffers, gradient shards, any ``.grad`` elsewhere); for DDP and
+the local rows the ``.grad`` tensors only (DDP's own bucket buffers, as many bytes again,
+are not visible to it).
 
 Bytes: ``sent`` is the change of ``wchar`` in /proc/self/io over the timed steps, per step,
 averaged over the two ranks (gloo on loopback writes every byte it sends through the
@@ -136,6 +143,7 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "DPO(Adam) RoundRobin(4)": ("dpo", {"sync": RoundRobin(4)}),
     "DPO(Adam) shard=param": ("dpo", {"shard": "param"}),
     "DPO(Adam) shard=flat": ("dpo", {"shard": "flat"}),
+    "DPO(Adam) shard=flat shard_gradients": ("dpo", {"shard": "flat", "shard_gradients": True}),
 }
 
 
@@ -557,14 +565,17 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
     model, opt, payload = build(kind, options, layers, group, world_size)
     x, y = batch
 
-    def one_step() -> float:
+    grads: List[int] = []
+
+    def one_step(probe: bool = False) -> float:
         start = time.perf_counter()
         loss = F.mse_loss(model(x), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if probe:  # after backward, its reduction done
+            grads.append(gradient_bytes(model, opt))
         if scaler is None:
-            loss.backward()
             opt.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()
@@ -577,9 +588,19 @@ def run_phase(kind: str, options: Dict[str, Any], layers: int, group: Any, world
     times = [one_step() for _ in range(steps)]
     sent = (wchar() - before) / steps
     held = state_bytes(opt)
+    one_step(probe=True)  # untimed
     if isinstance(opt, DataParallelOptimizer):
         opt.close()  # its hooks and threads; the model and optimizer go when this returns
-    return {"times": times, "sent": sent, "payload": payload, "state": held}
+    return {"times": times, "sent": sent, "payload": payload, "state": held, "grads": grads[0]}
+
+
+def gradient_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The gradient bytes this rank holds (see the module's docstring)."""
+    if isinstance(opt, DataParallelOptimizer):
+        return opt.gradient_bytes()
+    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in model.parameters() if p.grad is not None}
+    return sum(storages.values())
 
 
 def measure(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str, Any]:
@@ -590,7 +611,7 @@ def measure(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     out: Dict[str, Any] = {"layers": layers,
                            "numel": sum(p.numel() for p in make_model(layers).parameters())}
-    for name, (kind, kwargs) in CONFIGS.items():
+    for name, (kind, kwargs) in chosen(options).items():
         if rank == 0:
             logger.info("%s", name)
         together = run_phase(kind, kwargs, layers, None, world_size, batch, options.warmup,
@@ -603,6 +624,15 @@ def measure(rank: int, world_size: int, options: argparse.Namespace) -> Dict[str
         gc.collect()
         out[name] = {"together": together, "alone": single}
     return out
+
+
+def chosen(options: argparse.Namespace) -> Dict[str, Tuple[str, Dict[str, Any]]]:
+    """The configurations ``--only`` names (a part of their names), with the DDP row the
+    others are compared to; all of them without it."""
+    if not options.only:
+        return CONFIGS
+    return {name: config for name, config in CONFIGS.items()
+            if name == "DDP + Adam(foreach)" or any(part in name for part in options.only)}
 
 
 def _rank_main(rank: int, world_size: int, port: int, options: argparse.Namespace,
@@ -721,10 +751,10 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
     )
     lines.append("")
     headers = ["config", "step ms", "/ DDP", "sent B/step/rank (wchar)", "payload B (model)",
-               "state B/rank (max)", "compute ms (alone)"] + [f"modelled ms @{g} Gbit/s (/ DDP)" for g in BANDWIDTHS_GBIT]
+               "state B/rank (max)", "grad B/rank (max)", "compute ms (alone)"] + [f"modelled ms @{g} Gbit/s (/ DDP)" for g in BANDWIDTHS_GBIT]
     row(*headers)
     rows: Dict[str, Dict[str, Any]] = {}
-    for name in CONFIGS:
+    for name in chosen(options):
         together = [r[name]["together"] for r in ranks]
         alone = [r[name]["alone"] for r in ranks]
         entry = {
@@ -733,6 +763,7 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
             "payload": together[0]["payload"],
             "compute": median_ms([a["times"] for a in alone]) if alone[0] else None,
             "state": max(t["state"] for t in together),
+            "grads": max(t["grads"] for t in together),
         }
         if entry["payload"] is not None:
             entry["modelled"] = [entry["compute"] + entry["payload"] * 8 / (g * 1e9) * 1e3
@@ -747,9 +778,11 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
         compute = "-" if entry["compute"] is None else f"{entry['compute']:.1f}"
         row(name, f"{entry['ms']:.1f}", f"{entry['ms'] / ddp['ms']:.2f}",
             human_bytes(entry["sent"]), human_bytes(entry["payload"]),
-            human_bytes(entry["state"]), compute, *modelled)
+            human_bytes(entry["state"]), human_bytes(entry["grads"]), compute, *modelled)
     lines.extend(table_lines(table, md))
     lines.append("")
+    if "DDP + Adam(fused) + GradScaler" not in rows:
+        return lines + [_NOTE]
     lines.append(
         "GradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update(), "
         "float32 forward): each row against the same configuration without the scaler, and "
@@ -766,17 +799,21 @@ def report(ranks: List[Dict[str, Any]], options: argparse.Namespace) -> List[str
                                  f"{entry['ms'] / reference:.2f}"])
     lines.extend(table_lines(scaled_table, md))
     lines.append("")
-    lines.append(
-        "sent: wchar change per timed step, mean of the ranks; payload: the modelled bytes "
-        "(bytes_per_step; DDP 2(W-1)/W x 4 x numel; RoundRobin: parameter + exp_avg + "
-        "exp_avg_sq of one of 4 partitions, mean over the rounds; ZeRO and shard: plus the "
-        "parameters' gather, (W-1)/W x 4 x numel for ZeRO's broadcasts, each bucket's padded "
-        "part for shard); state: optimizer state bytes on the rank holding most; compute: "
-        "the same "
-        "configuration with each rank alone in its own process group (both at once); "
-        "modelled = compute + payload x 8 / bandwidth, no overlap."
-    )
+    lines.append(_NOTE)
     return lines
+
+
+_NOTE = (
+    "sent: wchar change per timed step, mean of the ranks; payload: the modelled bytes "
+    "(bytes_per_step; DDP 2(W-1)/W x 4 x numel; RoundRobin: parameter + exp_avg + "
+    "exp_avg_sq of one of 4 partitions, mean over the rounds; ZeRO and shard: plus the "
+    "parameters' gather, (W-1)/W x 4 x numel for ZeRO's broadcasts, each bucket's padded "
+    "part for shard; shard_gradients: (W-1)/W x 4 x numel for the all_to_all); state: "
+    "optimizer state bytes on the rank holding most; grad: gradient bytes held after "
+    "backward and its reduction (DDP, local: .grad only); compute: the same configuration "
+    "with each rank alone in its own process group (both at once); modelled = compute + "
+    "payload x 8 / bandwidth, no overlap."
+)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -787,6 +824,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="model size (rounded to whole 1024 x 1024 layers)")
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--only", nargs="+", metavar="PART", default=None,
+                        help="only the configurations whose names contain one of these "
+                             "(and DDP + Adam(foreach), the reference), e.g. --only shard=")
     parser.add_argument("-q", "--quiet", dest="verbose", action="store_false",
                         help="log no progress")
     parser.add_argument("--arrival", action="store_true",

@@ -15,7 +15,7 @@ from distopt.parallel.sync import RoundRobin, collective_device
 from functional._validation import iterable_argument
 
 __all__ = ["check_class", "check_compression", "check_options", "check_same_everywhere",
-           "group_info", "param_groups"]
+           "check_shard_gradients", "group_info", "param_groups"]
 
 
 def check_class(optimizer_class: Any, eager: bool, why: str) -> None:
@@ -37,7 +37,8 @@ def check_compression(compression: Any) -> None:
 
 
 def check_options(bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, overlap: Any,
-                  shard: Any, optimizer_class: type, eager: bool) -> None:
+                  shard: Any, optimizer_class: type, eager: bool,
+                  shard_gradients: Any = False) -> None:
     """``DataParallelOptimizer``'s own options."""
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
         math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0
@@ -54,6 +55,7 @@ def check_options(bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, 
             f"RoundRobin averages parameters, not gradients)"
         )
     check_bool("overlap", overlap)
+    check_shard_gradients(shard_gradients, shard, compression)
     if shard is None:
         return
     if shard not in _shard.MODES:
@@ -75,6 +77,24 @@ def check_options(bucket_cap_mb: Any, compression: Any, passes: Any, sync: Any, 
             f"each parameter's shape (expected shard='param', which keeps parameters whole)"
         )
 
+
+def check_shard_gradients(shard_gradients: Any, shard: Any, compression: Any) -> None:
+    """``shard_gradients=True`` needs ``shard="flat"`` (one run of elements per rank to
+    scatter into) and no compression (the schemes send what they choose of every element)."""
+    check_bool("shard_gradients", shard_gradients)
+    if not shard_gradients:
+        return
+    if shard != "flat":
+        raise ValueError(
+            f"Invalid shard_gradients: True with shard={shard!r} (expected shard='flat': each "
+            f"bucket is reduce-scattered into the run of elements a rank steps)"
+        )
+    if compression is not None:
+        raise ValueError(
+            f"Invalid compression: {compression!r} with shard_gradients=True (expected None: "
+            f"a compressed bucket is sent whole, chosen, cast or factored over the whole "
+            f"bucket, and cannot be reduce-scattered into each rank's run of elements)"
+        )
 
 
 def group_info(process_group: Any) -> Tuple[Any, int, int]:
@@ -143,7 +163,7 @@ def check_same_everywhere(opt: Any, params: List[Tensor], group_of: List[int],
          for p, j in zip(params, group_of)],
         [sorted((k, repr(v)) for k, v in g.items() if k != "params")
          for g in opt.param_groups],
-        cap_bytes, repr(opt.compression), repr(opt.sync), opt.shard,
+        cap_bytes, repr(opt.compression), repr(opt.sync), opt.shard, opt.shard_gradients,
         opt.backward_passes_per_step, opt.optimizer_class.__name__, module,
     ))
     mine = torch.tensor([len(params), zlib.crc32(layout.encode())], dtype=torch.int64,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from distopt._torch import version
 
-__all__ = ["Bucket", "GradBucketView", "assign_buckets"]
+__all__ = ["Bucket", "GradBucketView", "assign_buckets", "dense_grad"]
 
 
 class Bucket:
@@ -57,6 +57,11 @@ class Bucket:
         residual: with error feedback, what the compression has not sent yet (the
             gradient part's shape); else None.
         shard: with sharded state, this rank's part (``distopt.parallel.shard.Shard``).
+        released: whether ``buffer``'s memory is released (``release``): its views must not
+            be read until ``materialize``.
+        watched: the tensor whose in-place changes count as a change of ``.grad`` after the
+            step read it (``changed_since_step``): ``buffer``, or, with sharded gradients,
+            this rank's gradient shard (``Shard.keep_gradients``).
         units: ``(unit, slots, gradients)`` per param group in the bucket: the compiled
             step ``unit`` updates the parameters at ``slots`` from ``gradients`` (for
             ``OptimizerInBackward``, a group's step: per parameter of the group, its slot
@@ -88,6 +93,8 @@ class Bucket:
         self.residual: Optional[Tensor] = None
         self.shard: Any = None
         self.units: List[Tuple[int, List[Any], List[Any]]] = []
+        self.watched = self.buffer
+        self.released = False
 
     @classmethod
     def of_ddp(cls, index: int, params: List[Tensor], ddp_buffer: Tensor) -> "Bucket":
@@ -129,6 +136,20 @@ class Bucket:
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
 
+    def release(self) -> None:
+        """Free ``buffer``'s memory (sharded gradients, once this rank's part is reduced out
+        of it): every view of it (``grads``, ``flags``) keeps its shape but has no memory
+        behind it until ``materialize``, so nothing outside this bucket may hold one."""
+        self.buffer.untyped_storage().resize_(0)
+        self.released = True
+
+    def materialize(self) -> None:
+        """Give ``buffer`` its memory back after ``release``, not zeroed: the reducing pass
+        that calls it writes every slot (a gradient, or zeros) and the flags before the
+        bucket is sent."""
+        self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        self.released = False
+
     def reset(self) -> None:
         """Forget the window that ended (its gradients stay in the buffer)."""
         self.used = [False] * len(self.params)
@@ -143,7 +164,7 @@ class Bucket:
 
     def mark_stepped(self) -> None:
         """Remember the gradients the step just read (see ``changed_since_step``)."""
-        self.stepped = (version(self.buffer), [p.grad for p in self.params])
+        self.stepped = (version(self.watched), [p.grad for p in self.params])
 
     def changed_since_step(self) -> bool:
         """Whether a ``.grad`` was replaced, set to None or changed in place (in the buffer)
@@ -151,7 +172,7 @@ class Bucket:
         if self.stepped is None:
             return False
         seen, grads = self.stepped
-        return version(self.buffer) != seen or any(
+        return version(self.watched) != seen or any(
             p.grad is not g for p, g in zip(self.params, grads)
         )
 
@@ -184,6 +205,21 @@ class Bucket:
                     self.grads[k].copy_(values)  # what the step reads
                 self.params[k].grad = grad
         return untouched
+
+
+def dense_grad(bucket: Bucket, slot: int) -> Optional[Tensor]:
+    """The ``.grad`` of ``bucket.params[slot]`` (None or a dense tensor).
+
+    Raises:
+        ValueError: a sparse gradient, naming the parameter's global index.
+    """
+    grad = bucket.params[slot].grad
+    if grad is not None and grad.layout != torch.strided:
+        raise ValueError(
+            f"Invalid gradient of parameter {bucket.positions[slot]}: {grad.layout} "
+            f"(expected a dense gradient)"
+        )
+    return grad
 
 
 def assign_buckets(

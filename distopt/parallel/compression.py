@@ -17,7 +17,7 @@ average of the ranks' gradients and, in its flag part, how many ranks used each 
   ranks hold the same average.
 """
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,9 @@ from torch import Tensor
 
 from distopt._torch import all_gather_flat
 from distopt.arguments import check_bool, check_number
-from distopt.parallel.buckets import Bucket
+from distopt.parallel.buckets import Bucket, dense_grad
 
-__all__ = ["Cast", "Compression", "TopK", "Threshold", "reduction_for"]
+__all__ = ["Cast", "Compression", "TopK", "Threshold", "real_values", "reduction_for"]
 
 #: Test hook: called on the communication thread with ``(bucket index, indices, values)``
 #: each time a sparsifying scheme sends; None in normal use.
@@ -107,6 +107,47 @@ class Compression:
                 f"floating-point parameters)"
             )
 
+    def prepare(self, buckets: Sequence[Bucket]) -> None:
+        """The buckets are cut (and, sharded, their shards attached): anything the scheme
+        keeps per bucket."""
+
+    def settle(self, bucket: Bucket, unused: List[int]) -> None:
+        """After ``finish`` and ``Bucket.leave_unused``, before the bucket is stepped (the
+        finishing thread): what ``.grad`` holds from now on. Here: the bucket's views."""
+
+    def window_reduced(self, buckets: Sequence[Bucket]) -> None:
+        """Every bucket of a window that waits for ``step()`` is reduced (the finishing
+        thread, after the last bucket's ``settle``)."""
+
+    def before_step(self, scaling: Optional[Any]) -> None:
+        """``step()`` is about to step what the reduction left (``scaling``: a GradScaler's
+        ``(grad_scale, found_inf)``, or None); raise RuntimeError, changing nothing, where
+        the scheme cannot step it."""
+
+    def take_user_grads(self, bucket: Bucket) -> List[int]:
+        """Before a step that waited for ``step()``: what the loop left in ``.grad`` into
+        what the step reads (as torch.optim steps ``.grad``); returns the slots whose
+        ``.grad`` is None (not stepped)."""
+        skipped = []
+        for slot, (p, view) in enumerate(zip(bucket.params, bucket.grads)):
+            if p.grad is view:
+                continue
+            grad = dense_grad(bucket, slot)
+            if grad is None:
+                skipped.append(slot)
+            else:
+                with torch.no_grad():  # a gradient made with create_graph=True has a history
+                    view.copy_(grad)
+        return skipped
+
+    def clip_grad_norm_(self, buckets: Sequence[Bucket], params: List[Tensor], max_norm: float,
+                        norm_type: float, error_if_nonfinite: bool,
+                        foreach: Optional[bool]) -> Tensor:
+        """Clip the reduced gradients of ``params`` (torch.optim's order) by their norm, as
+        ``torch.nn.utils.clip_grad_norm_``; returns the norm."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
+                                              foreach)
+
     def issue(self, bucket: Bucket, group: Any, world_size: int) -> Any:
         """Start reducing ``bucket`` (communication thread); returns what ``finish`` needs."""
         raise NotImplementedError
@@ -137,7 +178,7 @@ class _Dense(Compression):
         return "None"
 
     def issue(self, bucket: Bucket, group: Any, world_size: int) -> Any:
-        values = _real(bucket.buffer)
+        values = real_values(bucket.buffer)
         divisor = bucket.divisor or world_size
         if self.dtype is None or self.dtype == values.dtype:
             wire = values.div_(divisor)
@@ -148,7 +189,7 @@ class _Dense(Compression):
     def finish(self, pending: Any, bucket: Bucket, world_size: int) -> None:
         wire, work = pending
         work.wait()
-        values = _real(bucket.buffer)
+        values = real_values(bucket.buffer)
         if wire.dtype != values.dtype:
             values.copy_(wire)
 
@@ -356,9 +397,10 @@ class Threshold(_Sparsify):
 _SAMPLE = 65536
 
 
-def _real(buffer: Tensor) -> Tensor:
-    """``buffer``, or its ``view_as_real`` when complex (what is divided, cast and sent)."""
-    return torch.view_as_real(buffer) if buffer.is_complex() else buffer
+def real_values(buffer: Tensor) -> Tensor:
+    """``buffer`` (1-D), or its ``view_as_real`` flattened when complex: what is divided,
+    cast and sent."""
+    return (torch.view_as_real(buffer) if buffer.is_complex() else buffer).view(-1)
 
 
 def _index_dtype(bucket: Bucket) -> torch.dtype:

@@ -37,9 +37,10 @@ from distopt.parallel import teardown
 from distopt.parallel import wrapped as _wrapped
 from distopt.parallel.amp import eager_step
 from distopt.parallel.arguments import check_same_everywhere
-from distopt.parallel.buckets import Bucket, assign_buckets
+from distopt.parallel.buckets import Bucket, assign_buckets, dense_grad
 from distopt.parallel.compression import Compression, reduction_for
 from distopt.parallel.reducer import GradientReducer
+from distopt.parallel.scatter import ReduceScatter
 from distopt.parallel.status import StepStatus
 from distopt.parallel.sync import RoundRobin, average_, collective_device, partition
 from distopt.parallel.units import CompiledUnits
@@ -60,6 +61,8 @@ class Options(NamedTuple):
     sync: Optional[RoundRobin]
     overlap: bool
     shard: Optional[str]
+    #: Each bucket reduce-scattered into this rank's shard (``distopt.parallel.scatter``).
+    shard_gradients: bool
     module: Optional[torch.nn.Module]
     broadcast_buffers: bool
     backward_passes_per_step: int
@@ -113,7 +116,7 @@ class DataParallelEngine:
         self._surface = weakref.ref(surface)
         self.name = type(surface).__name__
         (self.process_group, self.rank, self.world_size, self.compression, self.sync,
-         self.overlap, self.shard, self.module, self.broadcast_buffers,
+         self.overlap, self.shard, self.shard_gradients, self.module, self.broadcast_buffers,
          self.backward_passes_per_step, self.cap_bytes, self.first_cap_bytes,
          rebuild_buckets) = options
         self.optimizer_class = surface.optimizer_class
@@ -150,7 +153,8 @@ class DataParallelEngine:
         trained = [i for i, p in enumerate(all_params) if p.requires_grad]
         self.untrained = [(i, p) for i, p in enumerate(all_params) if not p.requires_grad]
         teardown.take_over(all_params)
-        self.scheme = reduction_for(self.compression)  # not yet bound to buckets
+        # not yet bound to buckets
+        self.scheme = ReduceScatter() if self.shard_gradients else reduction_for(self.compression)
         self.reduction = self.scheme
         self.buckets = assign_buckets([all_params[i] for i in trained], trained, self.cap_bytes)
         #: Global index -> parameter, for every parameter in a bucket.
@@ -222,6 +226,7 @@ class DataParallelEngine:
             _shard.attach(self.buckets, self.world_size, self.rank, self.shard,
                           self.optimizer_class, self.blocks)
         args, kwargs, options = self.build_args
+        self.reduction.prepare(self.buckets)
         units, of_group = _plan.cut_units(self.buckets, self.group_of, self.shard, options,
                                           len(self.param_groups), self.blocks is not None)
         self.units.compile(units if self.eager is None else [], of_group, args, kwargs,
@@ -261,6 +266,21 @@ class DataParallelEngine:
         """The buckets, in reduction order, as the global indices of their parameters."""
         return [list(b.positions) for b in self.buckets]
 
+    def gradient_bytes(self) -> int:
+        """The bytes of gradient memory this rank holds now: the buckets' buffers (released
+        ones hold none), the gradient shards, and each ``.grad`` of a bucketed parameter that
+        lies elsewhere; each storage counted once."""
+        tensors = [b.buffer for b in self.buckets]
+        tensors += [b.shard.grad_part for b in self.buckets
+                    if b.shard is not None and b.shard.grad_part is not None]
+        tensors += [p.grad for p in self.bucketed.values() if p.grad is not None]
+        storages = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
     def apply_changes(self) -> bool:
         """Send hyper-parameters changed in ``param_groups`` to the compiled steps."""
         return self.units.apply_changes(self.param_groups)
@@ -286,9 +306,12 @@ class DataParallelEngine:
         """A bucket's average arrived (the finishing thread): stepped now, during backward,
         if this window's buckets step there."""
         bucket.unused = unused
+        self.reduction.settle(bucket, unused)
         if self.status.in_backward:
             self.step_bucket(bucket)
         bucket.mark_stepped()  # what a change of .grad before step() is measured from
+        if bucket is self.buckets[-1] and not self.status.in_backward:
+            self.reduction.window_reduced(self.buckets)
 
     def start_gather(self, bucket: Bucket) -> Any:
         """Sharded (the communication thread): start the gather of a bucket stepped during
@@ -351,6 +374,7 @@ class DataParallelEngine:
         stepped, poisoned = self.status.in_backward, self.reducer.poisoned
         if stepped and scaling is not None:  # refused below: the next step waits for it
             self.status.stepped(scaled=True)
+        self.reduction.before_step(scaling)
         for refused, message in _REFUSALS:
             if refused(self, scaling, stepped, poisoned):
                 raise RuntimeError(message.format(poisoned=poisoned))
@@ -403,16 +427,7 @@ class DataParallelEngine:
     def _take_user_grads(self, bucket: Bucket) -> None:
         """Step the ``.grad`` the user left after backward, as torch.optim would (None:
         skipped)."""
-        skipped = []
-        for slot, (p, view) in enumerate(zip(bucket.params, bucket.grads)):
-            if p.grad is view:
-                continue
-            grad = _dense_grad(bucket, slot)
-            if grad is None:
-                skipped.append(slot)
-            else:
-                with torch.no_grad():  # a gradient made with create_graph=True has a history
-                    view.copy_(grad)
+        skipped = self.reduction.take_user_grads(bucket)
         if skipped:
             bucket.unused = sorted(set(bucket.unused) | set(skipped))
 
@@ -426,7 +441,7 @@ class DataParallelEngine:
             for bucket in self.buckets:
                 with profiler_range("distopt.dp.step", bucket.index):
                     for u, slots, _ in bucket.units:
-                        self.units.step(u, [_dense_grad(bucket, s) for s in slots], scaling)
+                        self.units.step(u, [dense_grad(bucket, s) for s in slots], scaling)
         members = self.partitions[self.round % self.sync.k]
         self.round += 1
         if not members:
@@ -564,9 +579,8 @@ class DataParallelEngine:
             )
         if self.reducer is not None:
             self.reducer.complete()
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type, error_if_nonfinite, foreach
-        )
+        return self.reduction.clip_grad_norm_(self.buckets, params, max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
 
     # ------------------------------------------------------------ Join
 
@@ -763,12 +777,3 @@ def _abandon(reducer: GradientReducer, private_group: Any, status: StepStatus) -
     if private_group is not None and reducer.failed is None:
         teardown.retire(private_group)
 
-
-def _dense_grad(bucket: Bucket, slot: int) -> Optional[Tensor]:
-    grad = bucket.params[slot].grad
-    if grad is not None and grad.layout != torch.strided:
-        raise ValueError(
-            f"Invalid gradient of parameter {bucket.positions[slot]}: {grad.layout} "
-            f"(expected a dense gradient)"
-        )
-    return grad

@@ -148,6 +148,12 @@ def join_hook(opt: Any, **kwargs: Any) -> JoinHook:
             f"{opt.compression!r}: torch's powerSGD_hook divides by the group's size (expected "
             f"divide_by_initial_world_size=True, or another compression)"
         )
+    if opt.shard_gradients:
+        raise ValueError(
+            "Invalid Join: shard_gradients=True releases each bucket's buffer once it is "
+            "reduce-scattered, and a joined rank shadows the others' reductions from whole "
+            "zero buckets (expected shard_gradients=False to train on uneven inputs)"
+        )
     opt.join.divide = divide
     group_for(opt.process_group)  # every rank builds its Join alike: made here, if new
     return _JoinHook(opt)

@@ -7,8 +7,8 @@ bucket is stepped by compiled functional optimizers (one per bucket and param gr
 couples parameters, so stepping bucket by bucket equals one step, bit for bit. Classes with
 no functional twin step eagerly after the last bucket. This module holds the public
 methods and holds the engine (``distopt.parallel.engine``); each other job has a module:
-``arguments``, ``plan``, ``units``, ``status``, ``shard``, ``state``, ``checkpoint``,
-``teardown``, ``join``, ``buffers``, ``amp``.
+``arguments``, ``plan``, ``units``, ``status``, ``shard``, ``scatter``, ``state``,
+``checkpoint``, ``teardown``, ``join``, ``buffers``, ``amp``.
 
 One backward pass, as data (``distopt.parallel.engine`` holds each part):
 backward → the parameter's post-accumulate-grad hook (``reducer.GradientReducer.on_grad``;
@@ -128,6 +128,16 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             classes): each rank steps its share and the parameters are all-gathered, bucket
             by bucket (``distopt.parallel.shard``). An eager class takes ``"param"``: it
             steps this rank's parameters after the last bucket.
+        shard_gradients: with ``shard="flat"``, also shard the gradients (ZeRO-2): each
+            bucket is reduce-scattered into this rank's run of elements instead of
+            all-reduced, and its buffer released, so after the reducing backward pass a rank
+            holds about ``1/W`` of the gradients (``gradient_bytes()``) and sends about half
+            the bytes; the parameters and state equal ``shard="flat"``'s bit for bit
+            (``distopt.parallel.scatter``). ``.grad`` then holds the average only for the
+            parameters this rank owns whole (a view of its shard); it is None for the
+            others. Clip with ``clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` sees
+            one rank's part); a GradScaler steps as usual, but ``scaler.unscale_(opt)``
+            is refused where a parameter is cut between ranks; no compression, no ``Join``.
         module: None, or the model whose parameters ``params`` are: its buffers are
             broadcast from the group's first rank at construction and before each forward,
             as DDP's ``broadcast_buffers=True`` does, and its parameters outside ``params``
@@ -165,6 +175,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         sync: Optional[RoundRobin] = None,
         overlap: bool = True,
         shard: Optional[str] = None,
+        shard_gradients: bool = False,
         module: Optional[torch.nn.Module] = None,
         broadcast_buffers: bool = True,
         rebuild_buckets: bool = True,
@@ -174,7 +185,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         eager = optimizer_class not in functional_optim_map or not _torch.jit_enabled()
         check_class(optimizer_class, eager, "DataParallelOptimizer reduces dense buckets")
         check_options(bucket_cap_mb, compression, backward_passes_per_step, sync, overlap, shard,
-                      optimizer_class, eager)
+                      optimizer_class, eager, shard_gradients)
         group, rank, world_size = group_info(process_group)
         groups = param_groups(params)
         outside = _buffers.check_module(
@@ -189,6 +200,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         self.sync = sync
         self.overlap = overlap
         self.shard = shard
+        self.shard_gradients = shard_gradients
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.backward_passes_per_step = backward_passes_per_step
@@ -197,7 +209,8 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
         # DDP's rebuilt buckets start with a small one, with the default cap only.
         first_cap_bytes = (min(cap_bytes, _torch.DDP_FIRST_BUCKET_BYTES)
                            if bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB else None)
-        options = Options(group, rank, world_size, compression, sync, overlap, shard, module,
+        options = Options(group, rank, world_size, compression, sync, overlap, shard,
+                          shard_gradients, module,
                           broadcast_buffers, backward_passes_per_step, cap_bytes,
                           first_cap_bytes, rebuild_buckets)
         self._engine = DataParallelEngine(self, options, inner if eager else None, groups,
@@ -404,6 +417,12 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             entries = list(engine.units.torch_state(copy=False).values())
         return sum(v.numel() * v.element_size() for e in entries for v in e.values()
                    if isinstance(v, Tensor))
+
+    def gradient_bytes(self) -> int:
+        """The bytes of gradients this rank holds now: the gradient buckets it keeps (none
+        between steps with ``shard_gradients=True``), its gradient shards, and any ``.grad``
+        outside them, each storage once."""
+        return self._engine.gradient_bytes()
 
     def bytes_per_step(self) -> float:
         """The payload bytes this rank sends per step: the reduction's model

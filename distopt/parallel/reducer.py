@@ -194,7 +194,9 @@ class GradientReducer:
             self._flush(lambda bucket, slot: bucket.hooked[slot] != self._pass)
             self._wait()
             first = self._first
-            if first is not None and first[0].grads[first[1]].numel() <= _GUARD_NUMEL:
+            if first is not None and not first[0].released and (
+                first[0].grads[first[1]].numel() <= _GUARD_NUMEL
+            ):
                 # The parameter the next pass is likeliest to reach first: if that pass is
                 # refused, its gradient has already gone in, and this takes it out again.
                 self._guard = (first[0], first[1], first[0].grads[first[1]].clone())
@@ -234,6 +236,8 @@ class GradientReducer:
 
     def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """Put the parameter's accumulated gradient (or zeros) into its bucket slot."""
+        if bucket.released:  # sharded gradients: its memory comes back for this window
+            bucket.materialize()
         grad = param.grad
         view = bucket.grads[slot]
         if grad is None:

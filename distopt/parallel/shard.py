@@ -2,7 +2,9 @@
 buffer the updated parameters are gathered in.
 
 With ``shard="param"`` or ``"flat"`` every rank still receives the whole averaged gradient
-(gloo's reduce_scatter sends what an all_reduce sends, so nothing is saved by scattering),
+(gloo's reduce_scatter sends what an all_reduce sends, so nothing is saved by scattering;
+with ``shard_gradients=True``, ``"flat"`` only, each rank receives its own run through an
+all_to_all instead: ``distopt.parallel.scatter``, ``Shard.keep_gradients``),
 but each rank keeps optimizer state for, and steps, only its own *pieces*: ranges of
 elements of the bucket's parameters. The updated pieces are then all-gathered into one
 buffer per bucket, ``world_size`` equal parts, rank ``r``'s pieces one after the other in
@@ -129,6 +131,43 @@ class Shard:
                 self.grads.append(grad.view(-1)[piece.start:piece.stop])
         #: This rank's part of ``buffer``, which the gather sends.
         self.part = self.buffer[rank * self.width:(rank + 1) * self.width]
+        #: With sharded gradients (``keep_gradients``): this rank's averaged gradient, its
+        #: pieces one after the other as in ``part``; and slot -> the view of it shaped like
+        #: the parameter, for each parameter this rank owns whole. Else None and {}.
+        self.grad_part: Optional[Tensor] = None
+        self.whole_grads: Dict[int, Tensor] = {}
+
+    @property
+    def span(self) -> Tuple[int, int]:
+        """Where this rank's pieces lie in the bucket's gradient elements, ``[start, stop)``
+        (``"flat"`` cuts each bucket into one run of elements per rank)."""
+        offsets = self.bucket.offsets
+        if not self.own:
+            before = [pc for part in self.pieces[:self.rank] for pc in part]
+            start = offsets[before[-1].slot] + before[-1].stop if before else 0
+            return start, start
+        first, last = self.own[0], self.own[-1]
+        return offsets[first.slot] + first.start, offsets[last.slot] + last.stop
+
+    def keep_gradients(self) -> None:
+        """Sharded gradients: this rank's averaged gradient lives in ``grad_part`` (its
+        pieces as ``grads``, what the step reads), no longer in the bucket's buffer, which
+        ``bucket.watched`` stops standing for."""
+        bucket = self.bucket
+        self.grad_part = bucket.buffer.new_zeros(self.width)
+        self.grads, self.whole_grads = [], {}
+        start = 0
+        for piece in self.own:
+            p = bucket.params[piece.slot]
+            n = piece.stop - piece.start
+            flat = self.grad_part[start:start + n]
+            start += n
+            if n == p.numel():
+                self.whole_grads[piece.slot] = flat.view(p.shape)
+            whole = n == p.numel() and not p.is_contiguous()
+            # As the bucket's own gradient views: laid out in the parameter's logical order.
+            self.grads.append(flat.view(p.shape) if whole else flat)
+        bucket.watched = self.grad_part
 
     def load(self) -> None:
         """Copy this rank's pieces of the parameters into ``buffer`` (the parameters may

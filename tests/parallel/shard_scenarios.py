@@ -310,3 +310,187 @@ def memory_bound(total: int, largest: int, world_size: int, shard: str, buckets:
     if shard == "param":
         return bound + largest
     return bound + buckets * 64 * 8 + 16 * (params + 2 * buckets)
+
+
+# ---------------------------------------------------------------- sharded gradients (ZeRO-2)
+
+#: The nanoGPT-shaped loop below: iterations, micro-batches per iteration (no_sync), clipping.
+ZERO2_ITERS, ZERO2_ACCUM, ZERO2_CLIP = 3, 2, 0.5
+#: Buckets of at most 500 float32 elements: TinyLM's 2,736 in 8, each rank owning some
+#: parameter whole at 2 and 3 ranks, before and after the buckets are cut again (a
+#: GradScaler needs one: ``distopt.parallel.scatter``; with 600 one rank at 3 owns none).
+ZERO2_MB = 500 * 4 / 2**20
+#: (name, optimizer options, clip, GradScaler, no_sync or backward_passes_per_step).
+ZERO2_CONFIGS = [
+    # from step 2 on, stepped during backward; the buckets cut again after step 1
+    ("overlap", {}, False, False, "no_sync"),
+    # one element of rank 0's gradient inf at step 1
+    ("scaler", {"rebuild_buckets": False}, True, True, "no_sync"),
+    ("no-overlap", {"overlap": False, "backward_passes_per_step": ZERO2_ACCUM,
+                    "rebuild_buckets": False}, True, False, "passes"),
+]
+
+
+def _zero2_loop(model: torch.nn.Module, opt: Any, clip: bool, scaler: Any, accumulate: str,
+                rank: int, probe: Dict[str, Any]) -> Dict[str, Any]:
+    """nanoGPT's loop, with the optimizer's clip_grad_norm_; what it printed and the
+    parameters after each iteration. ``probe`` gets the first reduced .grad and the
+    gradient bytes held then."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from tests.parallel.model_scenarios import BATCH, SEQ, VOCAB
+
+    params, norms, scales = [], [], []
+    for it in range(ZERO2_ITERS):
+        for micro in range(ZERO2_ACCUM):
+            gen = torch.Generator().manual_seed(7000 + 100 * it + 10 * micro + rank)
+            tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+            torch.manual_seed(500 + 10 * it + micro + rank)  # dropout
+            quiet = accumulate == "no_sync" and micro < ZERO2_ACCUM - 1
+            overflow = None
+            if scaler is not None and (it, micro, rank) == (1, 0, 0):
+                # One element: its average is inf on every rank, in one rank's part only.
+                weight = model.layer.self_attn.in_proj_weight
+                overflow = weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]),
+                                                                       math.inf))
+            with opt.no_sync() if quiet else contextlib.nullcontext():
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB),
+                                       tokens[:, 1:].reshape(-1)) / ZERO2_ACCUM
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if overflow is not None:
+                overflow.remove()
+        if not probe:
+            probe["bytes"] = opt.gradient_bytes()
+            probe["grads"] = [None if p.grad is None else p.grad.clone()
+                              for g in opt.param_groups for p in g["params"]]
+            probe["owned"] = sorted(b.positions[k] for b in opt._engine.buckets
+                                    for k in (b.shard.whole_grads if b.shard else ()))
+        if clip:
+            norms.append(opt.clip_grad_norm_(ZERO2_CLIP))
+        if scaler is not None:
+            scaler.step(opt)
+            scales.append(scaler.get_scale())
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        params.append(flat_params(model))
+    return {"params": params, "norms": norms, "scales": scales}
+
+
+def zero2(rank: int, world_size: int, path: str, names: List[str]) -> Dict[str, Any]:
+    """``shard_gradients=True`` against ``shard="flat"`` over those ``ZERO2_CONFIGS``
+    ``names``: the parameters after every iteration, the clipping norms, the scaler's
+    scales, the gathered state_dict, the .grad after the first reducing backward, the
+    gradient bytes held then, opt.save's files; the refusals (rank 0, at 2 ranks); the sums
+    in gloo's ring order and in rank order against gloo's all_reduce (at 3 ranks)."""
+    from tests.parallel.model_scenarios import TinyLM
+    from tests.parallel.real_loop_scenarios import ADAMW, _groups
+
+    out: Dict[str, Any] = {}
+    for name, options, clip, scaled, accumulate in ZERO2_CONFIGS:
+        if name not in names:
+            continue
+        for sharded in (False, True):
+            model = TinyLM()
+            opt = DataParallelOptimizer(torch.optim.AdamW, _groups(model), module=model,
+                                        shard="flat", shard_gradients=sharded,
+                                        bucket_cap_mb=ZERO2_MB, **options, **ADAMW)
+            scaler = torch.amp.GradScaler("cpu") if scaled else None
+            probe: Dict[str, Any] = {}
+            run = _zero2_loop(model, opt, clip, scaler, accumulate, rank, probe)
+            run.update(probe)
+            run["state"] = whole_state_dict(opt)
+            run["wire"] = opt.bytes_per_step()
+            run["buckets"] = [(b.numel + len(b.params)) * 4 for b in opt._engine.buckets]
+            if name == "scaler":
+                where = os.path.join(path, f"{sharded}")
+                opt.save(where)
+                # by name without the save's generation
+                run["files"] = {f.split("-", 2)[2]: torch.load(os.path.join(where, f),
+                                                               weights_only=True)
+                                for f in sorted(os.listdir(where)) if f.endswith(".pt")}
+                other = DataParallelOptimizer(torch.optim.AdamW, _groups(TinyLM()),
+                                              shard="flat", shard_gradients=not sharded,
+                                              bucket_cap_mb=ZERO2_MB, **ADAMW)
+                other.load(where)  # each way round
+                run["loaded"] = identical(whole_state_dict(other)["state"],
+                                          run["state"]["state"])
+                other.close()
+            out[f"{name}/{sharded}"] = run
+            opt.close()
+    out["total"] = sum(p.numel() * p.element_size() for p in TinyLM().parameters())
+    if world_size == 2:
+        out["refused"] = _zero2_refusals(rank)
+    else:
+        out["ring"] = _ring_sums(rank, world_size)
+    return out
+
+
+def _ring_sums(rank: int, world_size: int) -> Dict[int, Dict[str, int]]:
+    """Per buffer length (one of over ``2W`` of gloo's 1 MiB segments): how many elements
+    of this rank's chunk differ from gloo's all_reduce when summed from an all_to_all in
+    ``ring_order`` over ``ring_starts``, and in rank order."""
+    from distopt.parallel.scatter import ring_order, ring_starts
+
+    out = {}
+    for length in (1003, 1_600_003):
+        gen = torch.Generator().manual_seed(length + rank)
+        x = torch.randn(length, generator=gen) * torch.exp(4 * torch.randn(length, generator=gen))
+        reduced = x.clone()
+        dist.all_reduce(reduced)
+        starts = ring_starts(length, 4, world_size)
+        a, b = starts[rank], starts[rank + 1]
+        sizes = [starts[r + 1] - starts[r] for r in range(world_size)]
+        runs = x.new_empty(world_size * (b - a))
+        dist.all_to_all_single(runs, x, [b - a] * world_size, sizes)
+        runs = runs.view(world_size, b - a)
+        order = ring_order(rank, world_size)
+        ring = runs[order[0]] + runs[order[1]]
+        for r in order[2:]:
+            ring += runs[r]
+        plain = runs[0] + runs[1]
+        for r in range(2, world_size):
+            plain += runs[r]
+        out[length] = {"ring": int((ring != reduced[a:b]).sum()),
+                       "rank-order": int((plain != reduced[a:b]).sum()),
+                       "chunks": len(starts) - 1, "elements": b - a}
+    return out
+
+
+def _zero2_refusals(rank: int) -> Dict[str, str]:
+    """What ``shard_gradients=True`` refuses, each message (the constructor's before any
+    collective; Join and scaler.unscale_ once built)."""
+    from distopt.parallel import Threshold
+    from torch.distributed.algorithms import Join
+
+    from tests.helpers import error_of
+
+    model = make_model()
+    build = lambda **kw: DataParallelOptimizer(  # noqa: E731
+        torch.optim.SGD, model.parameters(), lr=0.1, bucket_cap_mb=BUCKETS_MB, **kw)
+    out = {name: error_of(lambda kw=kw: build(**kw)) for name, kw in {
+        "param": {"shard": "param", "shard_gradients": True},
+        "none": {"shard_gradients": True},
+        "text": {"shard": "flat", "shard_gradients": "yes"},
+        "topk": {"shard": "flat", "shard_gradients": True, "compression": TopK(0.1)},
+        "powersgd": {"shard": "flat", "shard_gradients": True, "compression": PowerSGD()},
+        "cast": {"shard": "flat", "shard_gradients": True,
+                 "compression": Cast(torch.bfloat16)},
+        "threshold": {"shard": "flat", "shard_gradients": True,
+                      "compression": Threshold(0.1)},
+    }.items()}
+    opt = build(shard="flat", shard_gradients=True)
+    out["join"] = error_of(lambda: Join([opt]).__enter__())
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batch(rank, 2, 0)
+    before = flat_params(model)
+    scaler.scale(((model(x) - y) ** 2).mean()).backward()
+    scaler.unscale_(opt)
+    out["unscale"] = error_of(lambda: scaler.step(opt))
+    out["unscale-stepped"] = str(not torch.equal(before, flat_params(model)))
+    opt.close()
+    return out

@@ -16,7 +16,7 @@ eager run, holding about half the state at 2 ranks.
 import pytest
 import torch
 
-from tests.helpers import assert_identical
+from tests.helpers import assert_identical, assert_named_error
 from tests.parallel import shard_scenarios as scenarios
 from tests.parallel.cases import CASE_IDS
 
@@ -110,3 +110,68 @@ def test_bad_arguments_are_named(worlds):
     assert "Invalid shard: 'flat' for Adafactor" in out["flat-adafactor"]
     assert "shard='param'" in out["flat-adafactor"]
     assert "'flat' for EagerSGD" in out["eager"] and "functional twin" in out["eager"]
+
+
+#: At 2 ranks (a + b is the same in any order) the GradScaler's run only, with the refusals.
+ZERO2_RUNS = {2: ["scaler"], 3: [name for name, *_ in scenarios.ZERO2_CONFIGS]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_gradients_equal_flat_and_hold_a_shard(worlds, tmp_path, world_size):
+    """``shard_gradients=True`` (ZeRO-2) against ``shard="flat"`` in a nanoGPT-shaped loop
+    (decay / no-decay groups, no_sync accumulation, the optimizer's clip_grad_norm_ between
+    backward and step, a GradScaler whose first step overflows, overlap on and off): the
+    parameters after every iteration, the norms, the scales and the state bit for bit, at 2
+    ranks and at 3 (where the order of the sums matters: ``test_ring_order``). After the
+    reducing backward a rank holds at most 1/W of the gradients plus one bucket, its .grad
+    is the average where it owns the parameter whole and None elsewhere; the checkpoints are
+    the same files; half the bytes go on the wire for the reduction."""
+    results = worlds.run(scenarios.zero2, world_size, str(tmp_path), ZERO2_RUNS[world_size])
+    for rank, result in enumerate(results):
+        for name in ZERO2_RUNS[world_size]:
+            flat, ours = result[f"{name}/False"], result[f"{name}/True"]
+            assert not torch.equal(ours["params"][0], ours["params"][-1])  # it trained
+            for it, (got, want) in enumerate(zip(ours["params"], flat["params"])):
+                assert torch.equal(got, want), (name, rank, it)
+            assert_identical(ours["norms"], flat["norms"])
+            assert_identical(ours["scales"], flat["scales"])
+            assert_identical(ours["state"]["state"], flat["state"]["state"])
+            # the .grad after the first reducing backward: the average, or None
+            owned = set(ours["owned"])
+            for i, (got, want) in enumerate(zip(ours["grads"], flat["grads"])):
+                if i in owned:
+                    assert torch.equal(got, want), (name, rank, i)
+                else:
+                    assert got is None, (name, rank, i)
+            assert owned  # some parameter on every rank
+            bound = results[0]["total"] / world_size + max(flat["buckets"])
+            assert ours["bytes"] <= bound, (name, rank, ours["bytes"], bound)
+            assert flat["bytes"] >= results[0]["total"]
+            assert ours["wire"] < 0.75 * flat["wire"], (ours["wire"], flat["wire"])
+        scaled = result["scaler/True"]
+        assert scaled["scales"][2] == scaled["scales"][1] / 2  # step 1 overflowed: skipped
+        assert torch.equal(scaled["params"][1], scaled["params"][0])
+        assert result["scaler/True"]["loaded"] and result["scaler/False"]["loaded"]
+        assert_identical(result["scaler/True"]["files"], result["scaler/False"]["files"])
+    if world_size == 3:
+        for rank, result in enumerate(results):
+            for length, counts in result["ring"].items():
+                assert counts["ring"] == 0, (rank, length, counts)
+                if rank < world_size - 1:  # the last rank's ring order is the rank order
+                    assert counts["rank-order"] > 0, (rank, length, counts)  # it matters
+        assert results[0]["ring"][1_600_003]["chunks"] == 3
+        return
+    refused = results[0]["refused"]
+    assert_named_error(refused["param"], "ValueError",
+                       "Invalid shard_gradients: True with shard='param' (expected "
+                       "shard='flat'")
+    assert_named_error(refused["none"], "ValueError",
+                       "Invalid shard_gradients: True with shard=None")
+    assert_named_error(refused["text"], "TypeError", "shard_gradients")
+    for name in ("topk", "powersgd", "cast", "threshold"):
+        assert_named_error(refused[name], "ValueError", "with shard_gradients=True (expected "
+                                                         "None")
+    assert_named_error(refused["join"], "ValueError", "Invalid Join: shard_gradients=True")
+    assert_named_error(refused["unscale"], "RuntimeError",
+                       "scaler.unscale_(opt) unscaled the .grad it found")
+    assert refused["unscale-stepped"] == "False"
