@@ -22,7 +22,7 @@ from tests.helpers import identical
 from tests.parallel.training import flat_params, whole_state_dict
 
 CLASSES = {"AdamW8bit": AdamW8bit, "Adam8bit": Adam8bit, "AdamW4bit": AdamW4bit}
-STEPS = 4
+STEPS = 3
 
 
 def make_model() -> torch.nn.Module:
@@ -54,9 +54,15 @@ def train(model, opt, rank: int, first: int = 0, steps: int = STEPS, wrapped=Non
         opt.zero_grad()
 
 
+#: At 3 ranks, the two layouts (8-bit and 4-bit codes); Adam8bit differs only in its decay.
+THREE_RANKS = ("AdamW8bit", "AdamW4bit")
+
+
 def parity(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, cls in CLASSES.items():
+        if world_size == 3 and name not in THREE_RANKS:
+            continue
         model = make_model()
         ddp = DDP(model)
         ref = cls(groups(model), lr=1e-2)
