@@ -69,9 +69,11 @@ def parity(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         train(model, ref, rank, wrapped=ddp)
         ref_params = flat_params(model)
         ref_state = ref.state_dict()["state"]
-        for shard in (None, "param", "flat"):
+        for shard in (None, "param", "flat", "zero2"):
             model = make_model()
-            opt = DataParallelOptimizer(cls, groups(model), lr=1e-2, shard=shard)
+            opt = DataParallelOptimizer(cls, groups(model), lr=1e-2,
+                                        shard="flat" if shard == "zero2" else shard,
+                                        shard_gradients=shard == "zero2")
             train(model, opt, rank)
             state = whole_state_dict(opt)["state"]
             if shard is None:
@@ -82,7 +84,7 @@ def parity(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                 "exact_unsharded": bool(torch.equal(flat_params(model), unsharded_params)),
                 "state_exact_unsharded": identical(state, unsharded_state),
                 "dtypes": sorted({str(v.dtype) for e in state.values() for v in e.values()}),
-                "cut_inside": shard == "flat" and any(
+                "cut_inside": shard in ("flat", "zero2") and any(
                     0 < pc.start < b.params[pc.slot].numel() and b.params[pc.slot].numel() >= 4096
                     for b in opt._engine.buckets for part in b.shard.pieces for pc in part),
             }

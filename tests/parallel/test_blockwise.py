@@ -2,7 +2,8 @@
 DDP + the class itself, bit for bit, unsharded and with ``shard="param"`` and ``"flat"`` on
 2 ranks, and sharded equal to unsharded on 2 and 3 (parameters and the gathered state, codes
 and scales included); a state saved on 2 ranks loads on 3 in every mode; ``shard="flat"``
-cuts quantised weights at block boundaries, and refuses groups of different block sizes.
+cuts quantised weights at block boundaries (with ``shard_gradients=True`` too: "zero2"), and
+refuses groups of different block sizes.
 The DDP hooks (``optimizer_hook``) step them during backward, equal to DDP + the class."""
 import pytest
 
@@ -20,7 +21,7 @@ CASES = [(w, name) for w in (2, 3) for name in scenarios.CLASSES
 
 
 @pytest.mark.parametrize("world_size,name", CASES)
-@pytest.mark.parametrize("shard", [None, "param", "flat"])
+@pytest.mark.parametrize("shard", [None, "param", "flat", "zero2"])
 def test_equal_to_ddp_and_the_class_itself(saved, world_size, name, shard):
     for rank, res in enumerate(saved[1][world_size]):
         got = res[f"{name}/{shard}"]
@@ -30,7 +31,7 @@ def test_equal_to_ddp_and_the_class_itself(saved, world_size, name, shard):
         assert got["exact_unsharded"], f"rank {rank}: parameters differ from shard=None"
         assert got["state_exact_unsharded"], f"rank {rank}: state differs from shard=None"
         assert "torch.uint8" in got["dtypes"] and "torch.float32" in got["dtypes"]
-        assert got["cut_inside"] == (shard == "flat")
+        assert got["cut_inside"] == (shard in ("flat", "zero2"))
 
 
 @pytest.mark.parametrize("name", list(scenarios.CLASSES))
