@@ -9,6 +9,14 @@ from functional.adagrad import FunctionalAdagrad
 from functional.adam import FunctionalAdam, FunctionalAdamW
 from functional.adamax import FunctionalAdamax
 from functional.asgd import FunctionalASGD
+from functional.blockwise_adam import (
+    Adam8bit,
+    AdamW4bit,
+    AdamW8bit,
+    FunctionalAdam8bit,
+    FunctionalAdamW4bit,
+    FunctionalAdamW8bit,
+)
 from functional.muon import FunctionalMuon
 from functional.nadam import FunctionalNAdam
 from functional.radam import FunctionalRAdam
@@ -36,6 +44,10 @@ functional_optim_map: Dict[type, type] = {
     torch.optim.Adafactor: FunctionalAdafactor,
     torch.optim.SparseAdam: FunctionalSparseAdam,
     torch.optim.Muon: FunctionalMuon,
+    # distopt's own torch.optim classes (public as distopt.optim.*): 8-bit and 4-bit state
+    Adam8bit: FunctionalAdam8bit,
+    AdamW8bit: FunctionalAdamW8bit,
+    AdamW4bit: FunctionalAdamW4bit,
 }
 
 _REQUIRED_METHODS = ("step", "step_param", "set_hyperparameter", "set_state")

@@ -19,14 +19,22 @@ Whether a parameter is quantised, and where its blocks start, depend on the whol
 only (``whole_sizes``: the element counts of the parameters the given tensors are pieces of,
 when they are pieces), so a sharded run quantises exactly as an unsharded one.
 """
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._common import index_of, lr_float, one_gradient, pair, scalar
-from functional._validation import check_at_least, check_betas, check_lr, check_params
+from functional._common import index_of, lr_float, one_gradient, pair, scalar, unknown_hyperparameter
+from functional._kernels import check_length, refuse
+from functional._validation import (
+    check_at_least,
+    check_betas,
+    check_lr,
+    check_params,
+    check_types,
+    hyperparameter_argument,
+)
 
 #: The state keys of a quantised parameter, and of a float32 one.
 QUANTISED_KEYS = ["step", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"]
@@ -154,15 +162,30 @@ def blockwise_step(
     fp: List[Tensor] = []
     fg: List[Tensor] = []
     fs: List[List[Tensor]] = [[], [], []]
+    originals: List[Tensor] = []
+    copies: List[Tensor] = []
+    created: List[int] = []
+    check_length(params, gradients)
     for i in range(len(params)):
         g = gradients[i]
         if g is not None:
-            if g.is_sparse:
-                raise RuntimeError("blockwise Adam does not support sparse gradients")
             p = params[i]
+            if (not g.is_same_size(p) or g.dtype != p.dtype or g.layout != torch.strided
+                    or g.device != p.device):
+                # Names the gradient; the state made in this pass is taken back first.
+                refuse(state, created, i, g, p,
+                       "blockwise Adam does not support sparse gradients")
             if i not in state:
                 state[i] = fresh_state(p, quantised[i], bits, block_size)
+                created.append(i)
             entry = state[i]
+            if not p.is_contiguous():
+                # Blocks follow the parameter's logical order (bitsandbytes makes such a
+                # parameter contiguous); the copy is written back after the kernels.
+                work = p.contiguous()
+                originals.append(p)
+                copies.append(work)
+                p = work
             if quantised[i]:
                 qp.append(p)
                 qg.append(g.contiguous())
@@ -186,6 +209,8 @@ def blockwise_step(
             fp, fg, fs[0], fs[1], fs[2], lr, betas[0], betas[1], eps, weight_decay,
             decoupled, maximize,
         )
+    for k in range(len(originals)):
+        originals[k].copy_(copies[k])
 
 
 def quantised_flags(sizes: List[int], min_8bit_size: int) -> List[bool]:
@@ -194,15 +219,24 @@ def quantised_flags(sizes: List[int], min_8bit_size: int) -> List[bool]:
     return [n >= min_8bit_size for n in sizes]
 
 
+def param_problem(p: Tensor) -> str:
+    """Why blockwise Adam cannot step ``p`` ("" if it can): the kernel is a CPU kernel of
+    real float32, float16 and bfloat16 parameters."""
+    if p.device.type != "cpu":
+        return "on " + str(p.device) + " (blockwise Adam steps CPU parameters)"
+    if p.dtype not in [torch.float32, torch.float16, torch.bfloat16]:
+        return (str(p.dtype) + " (blockwise Adam steps float32, float16 and bfloat16 "
+                "parameters)")
+    return ""
+
+
 def whole_sizes_of(params: List[Tensor], whole_sizes: Optional[List[int]]) -> List[int]:
     """``whole_sizes``, checked, or each parameter's own element count (and every parameter
     on the CPU: the kernel is a CPU kernel)."""
     for i in range(len(params)):
-        if params[i].device.type != "cpu":
-            raise ValueError(
-                "Invalid params[" + str(i) + "]: on " + str(params[i].device)
-                + " (blockwise Adam steps CPU parameters)"
-            )
+        problem = param_problem(params[i])
+        if problem != "":
+            raise ValueError("Invalid params[" + str(i) + "]: " + problem)
     if whole_sizes is None:
         return [p.numel() for p in params]
     if len(whole_sizes) != len(params):
@@ -252,7 +286,7 @@ def check_arguments(lr: Union[float, Tensor], betas: Tuple[float, float], eps: f
 
 
 def _set(name: str, value: List[float], lr: float, betas: Tuple[float, float], eps: float,
-         weight_decay: float) -> Tuple[float, Tuple[float, float], float, float]:
+         weight_decay: float, cls_name: str) -> Tuple[float, Tuple[float, float], float, float]:
     if name == "lr":
         lr = scalar(name, value)
     elif name == "betas":
@@ -264,7 +298,7 @@ def _set(name: str, value: List[float], lr: float, betas: Tuple[float, float], e
         weight_decay = scalar(name, value)
     else:
         raise ValueError(
-            "Invalid hyperparameter: '" + name + "' (blockwise Adam has lr, betas, eps and weight_decay)"
+            unknown_hyperparameter(cls_name, name, ["lr", "betas", "eps", "weight_decay"])
         )
     return lr, betas, eps, weight_decay
 
@@ -301,9 +335,10 @@ class FunctionalAdam8bit:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdam8bit)
             params = check_params(params)
+            check_types(FunctionalAdam8bit, locals())
             check_arguments(lr, betas, eps, weight_decay, block_size, min_8bit_size)
             if amsgrad:
-                raise ValueError("Invalid amsgrad: True (blockwise Adam keeps no max of exp_avg_sq)")
+                raise ValueError("Invalid amsgrad: True (expected False: blockwise Adam keeps no max of exp_avg_sq)")
         self.params = params
         self.lr = lr_float(lr)
         self.betas = (float(betas[0]), float(betas[1]))
@@ -322,9 +357,11 @@ class FunctionalAdam8bit:
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change lr, betas, eps or weight_decay between steps."""
+        """Change lr, betas, eps or weight_decay between steps (a number alone too)."""
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         self.lr, self.betas, self.eps, self.weight_decay = _set(
-            name, value, self.lr, self.betas, self.eps, self.weight_decay)
+            name, value, self.lr, self.betas, self.eps, self.weight_decay, "Adam8bit")
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError."""
@@ -340,10 +377,6 @@ class FunctionalAdam8bit:
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None."""
-        if len(gradients) != len(self.params):
-            raise ValueError(
-                "Expected " + str(len(self.params)) + " gradients, got " + str(len(gradients))
-            )
         if self.code1.numel() == 0:
             self.code1, self.code2 = code_books(self.bits)
         with torch.no_grad():
@@ -376,9 +409,10 @@ class FunctionalAdamW8bit:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdamW8bit)
             params = check_params(params)
+            check_types(FunctionalAdamW8bit, locals())
             check_arguments(lr, betas, eps, weight_decay, block_size, min_8bit_size)
             if amsgrad:
-                raise ValueError("Invalid amsgrad: True (blockwise Adam keeps no max of exp_avg_sq)")
+                raise ValueError("Invalid amsgrad: True (expected False: blockwise Adam keeps no max of exp_avg_sq)")
         self.params = params
         self.lr = lr_float(lr)
         self.betas = (float(betas[0]), float(betas[1]))
@@ -397,9 +431,11 @@ class FunctionalAdamW8bit:
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change lr, betas, eps or weight_decay between steps."""
+        """Change lr, betas, eps or weight_decay between steps (a number alone too)."""
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         self.lr, self.betas, self.eps, self.weight_decay = _set(
-            name, value, self.lr, self.betas, self.eps, self.weight_decay)
+            name, value, self.lr, self.betas, self.eps, self.weight_decay, "AdamW8bit")
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError."""
@@ -415,10 +451,6 @@ class FunctionalAdamW8bit:
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None."""
-        if len(gradients) != len(self.params):
-            raise ValueError(
-                "Expected " + str(len(self.params)) + " gradients, got " + str(len(gradients))
-            )
         if self.code1.numel() == 0:
             self.code1, self.code2 = code_books(self.bits)
         with torch.no_grad():
@@ -451,9 +483,10 @@ class FunctionalAdamW4bit:
         if not torch.jit.is_scripting():
             ensure_scripted(FunctionalAdamW4bit)
             params = check_params(params)
+            check_types(FunctionalAdamW4bit, locals())
             check_arguments(lr, betas, eps, weight_decay, block_size, min_8bit_size)
             if amsgrad:
-                raise ValueError("Invalid amsgrad: True (blockwise Adam keeps no max of exp_avg_sq)")
+                raise ValueError("Invalid amsgrad: True (expected False: blockwise Adam keeps no max of exp_avg_sq)")
         self.params = params
         self.lr = lr_float(lr)
         self.betas = (float(betas[0]), float(betas[1]))
@@ -472,9 +505,11 @@ class FunctionalAdamW4bit:
         self.state = torch.jit.annotate(Dict[int, Dict[str, Tensor]], {})
 
     def set_hyperparameter(self, name: str, value: List[float]) -> None:
-        """Change lr, betas, eps or weight_decay between steps."""
+        """Change lr, betas, eps or weight_decay between steps (a number alone too)."""
+        if not torch.jit.is_scripting():  # 1e-4 for [1e-4]; compiled, a list only
+            value = hyperparameter_argument(name, value)
         self.lr, self.betas, self.eps, self.weight_decay = _set(
-            name, value, self.lr, self.betas, self.eps, self.weight_decay)
+            name, value, self.lr, self.betas, self.eps, self.weight_decay, "AdamW4bit")
 
     def check_state(self, state: Dict[int, Dict[str, Tensor]]) -> Dict[int, Dict[str, Tensor]]:
         """``state`` as ``set_state`` would keep it, or ValueError."""
@@ -490,10 +525,6 @@ class FunctionalAdamW4bit:
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Update every parameter whose gradient is not None."""
-        if len(gradients) != len(self.params):
-            raise ValueError(
-                "Expected " + str(len(self.params)) + " gradients, got " + str(len(gradients))
-            )
         if self.code1.numel() == 0:
             self.code1, self.code2 = code_books(self.bits)
         with torch.no_grad():
@@ -502,3 +533,139 @@ class FunctionalAdamW4bit:
                 self.lr, self.betas, self.eps, self.weight_decay, self.decoupled, self.maximize,
                 self.bits, self.block_size,
             )
+
+
+# ---------------------------------------------------------------------------------------
+# The torch.optim classes (public as distopt.optim.Adam8bit, AdamW8bit, AdamW4bit).
+
+
+class _BlockwiseAdam(torch.optim.Optimizer):
+    """Adam / AdamW on blockwise-quantised state (the three public classes)."""
+
+    #: Bits per code (read by the sharded engine too), and whether weight decay is decoupled.
+    blockwise_bits = 8
+    decoupled = True
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        betas: Tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        amsgrad: bool,
+        maximize: bool,
+        block_size: int,
+        min_8bit_size: int,
+    ) -> None:
+        name = type(self).__name__
+        if amsgrad:
+            raise ValueError(f"Invalid amsgrad: {amsgrad!r} (expected False: {name} keeps no max of exp_avg_sq)")
+        check_arguments(lr, betas, eps, weight_decay, block_size, min_8bit_size)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size)
+        super().__init__(params, defaults)
+        for g, group in enumerate(self.param_groups):
+            for k, p in enumerate(group["params"]):
+                problem = param_problem(p)
+                if problem:
+                    raise ValueError(
+                        f"Invalid params: param_groups[{g}]['params'][{k}] is {problem}"
+                        .replace("blockwise Adam", name)
+                    )
+        self._codes = code_books(self.blockwise_bits)
+
+    def _group_step(self, group: Dict[str, Any]) -> None:
+        params: List[Tensor] = list(group["params"])
+        gradients: List[Optional[Tensor]] = [p.grad for p in params]
+        state = {i: self.state[p] for i, p in enumerate(params) if len(self.state.get(p, {})) > 0}
+        quantised = [p.numel() >= group["min_8bit_size"] for p in params]
+        lr = group["lr"]
+        blockwise_step(
+            params, gradients, state, quantised, self._codes[0], self._codes[1],
+            float(lr.item() if isinstance(lr, Tensor) else lr),
+            (float(group["betas"][0]), float(group["betas"][1])), float(group["eps"]),
+            float(group["weight_decay"]), self.decoupled, bool(group["maximize"]), self.blockwise_bits,
+            int(group["block_size"]),
+        )
+        for i, entry in state.items():
+            self.state[params[i]] = entry
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One step of every parameter with a gradient; ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._group_step(group)
+        return loss
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch.optim's, with every saved entry checked first (a bad one changes nothing)
+        and the codes, scales and float32 moments kept as saved (torch.optim would cast the
+        floating ones to a bfloat16 / float16 parameter's dtype)."""
+        groups = state_dict.get("param_groups", [])
+        saved = state_dict.get("state", {})
+        ids = [i for g in groups for i in g.get("params", [])]
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(ids) == len(params):
+            by_id = dict(zip(ids, params))
+            group_of = {i: g for g in groups for i in g.get("params", [])}
+            for i, entry in saved.items():
+                if i not in by_id:
+                    continue
+                p = by_id[i]
+                quantised = p.numel() >= group_of[i].get("min_8bit_size", 4096)
+                problem = state_problem(p, entry, quantised, self.blockwise_bits,
+                                        int(group_of[i].get("block_size", 256)))
+                if problem:
+                    raise ValueError(f"Invalid state_dict: the state of parameter {i}: {problem}")
+        super().load_state_dict(state_dict)
+        if len(ids) == len(params):
+            for i, p in zip(ids, params):
+                for key, value in saved.get(i, {}).items():
+                    if key != "step":
+                        self.state[p][key] = value.to(device=p.device, copy=True)
+
+
+class Adam8bit(_BlockwiseAdam):
+    """torch.optim.Adam with 8-bit blockwise state (block 256); ``weight_decay`` is an L2
+    penalty added to the gradient, as torch.optim.Adam's."""
+
+    blockwise_bits = 8
+    decoupled = False
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 maximize: bool = False, block_size: int = 256, min_8bit_size: int = 4096) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, block_size,
+                         min_8bit_size)
+
+
+class AdamW8bit(_BlockwiseAdam):
+    """torch.optim.AdamW with 8-bit blockwise state (block 256): bitsandbytes' AdamW8bit, bit
+    for bit."""
+
+    blockwise_bits = 8
+    decoupled = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, block_size: int = 256, min_8bit_size: int = 4096) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, block_size,
+                         min_8bit_size)
+
+
+class AdamW4bit(_BlockwiseAdam):
+    """torch.optim.AdamW with 4-bit blockwise state (block 128; torchao's code books)."""
+
+    blockwise_bits = 4
+    decoupled = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, block_size: int = 128, min_8bit_size: int = 4096) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, block_size,
+                         min_8bit_size)

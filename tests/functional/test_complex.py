@@ -6,6 +6,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from functional.blockwise_adam import Adam8bit, AdamW4bit, AdamW8bit
+
 from functional import (
     FunctionalAdafactor,
     FunctionalMuon,
@@ -63,8 +65,18 @@ for _name in ("Adam", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "RMSprop", "A
 
 def test_every_class_torch_steps_with_complex_parameters_is_in_the_table():
     classes = {c.torch_cls for c in COMPLEX_CASES}
-    refused = {torch.optim.Adafactor, torch.optim.Muon, torch.optim.SparseAdam}
+    # torch refuses these with complex parameters; distopt's blockwise classes too (below)
+    refused = {torch.optim.Adafactor, torch.optim.Muon, torch.optim.SparseAdam,
+               Adam8bit, AdamW8bit, AdamW4bit}
     assert classes | refused == set(functional_optim_map)
+
+
+@pytest.mark.parametrize("cls", [Adam8bit, AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+def test_blockwise_classes_refuse_complex_parameters_by_name(cls):
+    with pytest.raises(ValueError, match=r"params\[0\]: torch.complex64"):
+        functional_optim_map[cls]([torch.zeros(3, dtype=torch.complex64)])
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] is torch.complex64"):
+        cls([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from functional import FLAT_CLASSES, flatten_parameters, functional_optim_map, script_optimizer
+from functional.blockwise_adam import Adam8bit, AdamW4bit, AdamW8bit
 from functional._validation import TORCH_DUPLICATE_WARNING
 from tests.helpers import assert_identical
 
@@ -67,6 +68,12 @@ INVALID_ARGS = [
     (O.Muon, {"lr": -1.0}, "lr"),
     (O.Muon, {"momentum": -1.0}, "momentum"),
     (O.Muon, {"weight_decay": -1.0}, "weight_decay"),
+    (Adam8bit, {"lr": -1.0}, "lr"),
+    (Adam8bit, {"block_size": 255}, "block_size"),
+    (AdamW8bit, {"betas": (1.0, 0.9)}, "betas[0]"),
+    (AdamW8bit, {"min_8bit_size": -1}, "min_8bit_size"),
+    (AdamW4bit, {"eps": -1.0}, "eps"),
+    (AdamW4bit, {"amsgrad": True}, "amsgrad"),
 ]
 
 
@@ -110,6 +117,9 @@ WRONG_TYPES = [
     (O.Muon, {"lr": "fast"}, "lr", "fast"),
     (O.Muon, {"momentum": None}, "momentum", None),
     (O.Muon, {"ns_steps": 5.0}, "ns_steps", 5.0),
+    (Adam8bit, {"lr": "fast"}, "lr", "fast"),
+    (AdamW8bit, {"block_size": 256.0}, "block_size", 256.0),
+    (AdamW4bit, {"eps": None}, "eps", None),
 ]
 
 # Values of another kind than the annotation's that torch.optim takes: ours must take them
@@ -166,6 +176,8 @@ def test_every_torch_optimizer_but_lbfgs_is_mapped() -> None:
         O.SGD, O.Adam, O.AdamW, O.Adagrad, O.Adadelta, O.Adamax, O.RMSprop, O.Rprop, O.NAdam,
         O.RAdam, O.ASGD, O.Adafactor, O.SparseAdam, O.Muon,
     }
+    # and distopt's own 8-bit / 4-bit classes (functional/blockwise_adam.py)
+    expected |= {Adam8bit, AdamW8bit, AdamW4bit}
     assert set(functional_optim_map) == expected
     for torch_cls, cls in functional_optim_map.items():
         assert cls.__name__ == "Functional" + torch_cls.__name__
