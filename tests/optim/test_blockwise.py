@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distopt.optim import Adam8bit, AdamW4bit, AdamW8bit
-from functional._compile import ensure_scripted
+from functional._compile import ensure_scripted, script
 from functional.blockwise_adam import (
     FunctionalAdamW4bit,
     FunctionalAdamW8bit,
@@ -150,7 +150,7 @@ def test_compiled_twins_equal_the_classes_and_keep_separate_state():
     torch.manual_seed(1)
     shapes = [(41, 128), (128, 64), (41,), (128,)]
     ws = [torch.randn(s) for s in shapes]
-    scripted = torch.jit.script(Holder([w.clone() for w in ws]))
+    scripted = script(Holder([w.clone() for w in ws]))
     params = [torch.nn.Parameter(w.clone()) for w in ws]
     eager = AdamW8bit(params, lr=1e-2)
     for _ in range(3):
