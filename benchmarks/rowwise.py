@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 # This folder's functional.py would shadow the functional package: import this folder's
 # helpers as ``benchmarks.*`` from the repository root instead.

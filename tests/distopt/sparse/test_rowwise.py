@@ -7,26 +7,20 @@ rule evaluated in float64 here. Both over several steps of repeated indices in s
 lookups of two tables; then state keyed the same under every partition, resumes and bad
 arguments.
 """
+import types
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
-from fbgemm_gpu.tbe.config.embedding_config import ComputeDevice
-from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-
 from distopt.sparse import PartialRowWiseAdam, RowWiseAdagrad, ShardedEmbedding
 from tests.distopt.sparse import harness
 
 #: (rows, dim) of the two tables: fbgemm takes dims that are multiples of 4.
 TABLES = ((23, 8), (9, 4))
 STEPS = 4
-MODES = {"none": WeightDecayMode.NONE, "l2": WeightDecayMode.L2,
-         "decouple": WeightDecayMode.DECOUPLE}
+#: Our weight_decay_mode -> the name of fbgemm's WeightDecayMode.
+MODES = {"none": "NONE", "l2": "L2", "decouple": "DECOUPLE"}
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -36,6 +30,26 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
 
 
+def fbgemm() -> types.SimpleNamespace:
+    """fbgemm-gpu-cpu's names these tests use, imported at first use rather than at
+    collection (the import takes about 3 s, which every test worker would pay)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+    from fbgemm_gpu.tbe.config.embedding_config import ComputeDevice
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+    return types.SimpleNamespace(
+        EmbOptimType=EmbOptimType, EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode,
+        SplitTableBatchedEmbeddingBagsCodegen=SplitTableBatchedEmbeddingBagsCodegen,
+        ComputeDevice=ComputeDevice, WeightDecayMode=WeightDecayMode)
+
+
 def make_tables(partition: str, owners=harness.OWNERS):
     return [ShardedEmbedding(n, d, list(owners), partition=partition, seed=20 + i)
             for i, (n, d) in enumerate(TABLES)]
@@ -43,12 +57,14 @@ def make_tables(partition: str, owners=harness.OWNERS):
 
 def fbgemm_tables(sharded, mode: str, **kwargs):
     """One fbgemm TBE per table (sequence lookups, on the host), holding the same rows."""
+    fb = fbgemm()
     tbes = []
     for emb in sharded:
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(emb.num_embeddings, emb.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling_mode=PoolingMode.NONE,
-            weight_decay_mode=MODES[mode], **kwargs)
+        tbe = fb.SplitTableBatchedEmbeddingBagsCodegen(
+            [(emb.num_embeddings, emb.embedding_dim, fb.EmbeddingLocation.HOST,
+              fb.ComputeDevice.CPU)],
+            optimizer=fb.EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling_mode=fb.PoolingMode.NONE,
+            weight_decay_mode=fb.WeightDecayMode[MODES[mode]], **kwargs)
         with torch.no_grad():
             tbe.split_embedding_weights()[0].copy_(emb.full_weight())
         tbes.append(tbe)
@@ -143,7 +159,15 @@ def fbgemm_partial_rowwise_adam_row(w, g, m1, m2, it, lr, betas, eps, weight_dec
 
 
 def test_partial_rowwise_adam_equals_fbgemms_kernel_rule(world):
+    """fbgemm 1.8.0 refuses PARTIAL_ROWWISE_ADAM on the CPU (so the reference is its CUDA
+    kernel's rule, transcribed; a later fbgemm that steps it on the CPU fails this first
+    check, and should become the reference)."""
     kwargs = {"lr": 0.05, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+    fb = fbgemm()
+    with pytest.raises(AssertionError, match="partial_row_wise_adam is not supported in CPU"):
+        fb.SplitTableBatchedEmbeddingBagsCodegen(
+            [(8, 4, fb.EmbeddingLocation.HOST, fb.ComputeDevice.CPU)],
+            optimizer=fb.EmbOptimType.PARTIAL_ROWWISE_ADAM)
     sharded = make_tables("range")
     opt = PartialRowWiseAdam(sharded, **kwargs)
     weights = [emb.full_weight().numpy() for emb in sharded]
