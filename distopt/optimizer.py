@@ -130,7 +130,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         is_class = inspect.isclass(optimizer_class)
         stand_in = self._functional_stand_in(optimizer_class) if is_class else None
-        functional_cls = stand_in or (functional_optim_map.get(optimizer_class) if is_class else None)
+        functional_cls = stand_in
+        if functional_cls is None and is_class:
+            functional_cls = functional_optim_map.get(optimizer_class)
         # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
         jit_enabled = _torch.jit_enabled()
         is_functional_optim = functional_cls is not None and (

@@ -1,4 +1,7 @@
-"""Row-sparse optimizers over ShardedEmbeddings: torch.optim's SGD, Adagrad and SparseAdam.
+"""Row-sparse optimizers over ShardedEmbeddings: torch.optim's SGD, Adagrad and SparseAdam,
+and fbgemm's row-wise Adagrad and partial row-wise Adam (``RowWiseAdagrad``,
+``PartialRowWiseAdam``: their functional classes, which no torch.optim class stands for,
+compiled on the owners; their state_dict keyed by table and global row).
 
 Each is a :class:`distopt.DistributedOptimizer` over the embeddings' shards, so every owner
 updates its own shard, in parallel, with distopt's compiled functional optimizer: the
