@@ -24,7 +24,9 @@ _P = inspect.Parameter
 _POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
 
 
-def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
+def check_optimizer_class(
+    optimizer_class: Any, eager: bool, stand_in: Optional[type] = None
+) -> None:
     """``optimizer_class`` must be an optimizer class that can step as DistributedOptimizer
     steps it.
 
@@ -32,6 +34,8 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
         optimizer_class: what the user passed.
         eager: whether its own ``step`` will run on the owners (no functional stand-in
             compiled in its place), with no closure.
+        stand_in: the functional class the caller compiles in its place where that is not
+            ``functional_optim_map``'s (the row-wise sparse optimizers name their own).
 
     Raises:
         TypeError: it is not a ``torch.optim.Optimizer`` subclass nor a class in
@@ -59,7 +63,7 @@ def check_optimizer_class(optimizer_class: Any, eager: bool) -> None:
             f"{swapped})"
         )
     if not issubclass(optimizer_class, torch.optim.Optimizer) and (
-        optimizer_class not in functional_optim_map
+        optimizer_class not in functional_optim_map and stand_in is None
     ):
         raise TypeError(
             f"Invalid optimizer_class: {optimizer_class.__qualname__} (expected a "

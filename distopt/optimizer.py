@@ -129,13 +129,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         is_class = inspect.isclass(optimizer_class)
-        functional_cls = functional_optim_map.get(optimizer_class) if is_class else None
+        stand_in = self._functional_stand_in(optimizer_class) if is_class else None
+        functional_cls = stand_in
+        if functional_cls is None and is_class:
+            functional_cls = functional_optim_map.get(optimizer_class)
         # Mirror torch: with TorchScript disabled, torch.optim classes run eagerly.
         jit_enabled = _torch.jit_enabled()
         is_functional_optim = functional_cls is not None and (
             jit_enabled or not issubclass(optimizer_class, torch.optim.Optimizer)
         )
-        check_optimizer_class(optimizer_class, eager=not is_functional_optim)
+        check_optimizer_class(optimizer_class, eager=not is_functional_optim, stand_in=stand_in)
         flat = kwargs.pop("flat", True)
         if not isinstance(flat, bool):
             raise TypeError(f"Invalid flat: {flat!r} (expected True or False)")
@@ -260,6 +263,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._built = built_groups(
             type(self).__name__, self.param_groups, self._placement.hyper_keys, optimizer_class
         )
+
+    def _functional_stand_in(self, optimizer_class: type) -> Optional[type]:
+        """The functional class to compile for ``optimizer_class`` where it is not the one
+        ``functional_optim_map`` names: None here. The row-wise sparse optimizers name
+        their own (classes with no torch.optim counterpart, kept out of the map of
+        torch.optim's stand-ins)."""
+        return None
 
     def _init_optimizer_fields(self) -> None:
         """What torch.optim.Optimizer's constructor sets, without its checks on tensors.

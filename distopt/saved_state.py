@@ -17,6 +17,7 @@ from torch import Tensor
 
 from distopt.param_groups import same
 from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter, torch_group
+from functional.rowwise import ROW_STATE_KEYS
 
 __all__ = ["CheckedState", "SavedStateSpec", "check_saved_entry", "check_saved_groups",
            "check_state_dict"]
@@ -204,6 +205,7 @@ def check_saved_entry(
             value.dim() > 0 and key != "step" and key not in _OWN_SHAPE_KEYS
             and not ("exp_avg_absmax" in entry and key in _BLOCKWISE_KEYS)
             and value.shape != shape and value.numel() > 1
+            and not (key in ROW_STATE_KEYS and tuple(value.shape) == tuple(shape[:1]))
         ):
             raise ValueError(
                 f"Invalid {what}: state[{where}][{key!r}] has shape {tuple(value.shape)} "

@@ -19,6 +19,7 @@ from functional.muon import FunctionalMuon
 from functional.nadam import FunctionalNAdam
 from functional.radam import FunctionalRAdam
 from functional.rmsprop import FunctionalRMSprop
+from functional.rowwise import FunctionalPartialRowWiseAdam, FunctionalRowWiseAdagrad
 from functional.rprop import FunctionalRprop
 from functional.sgd import FunctionalSGD
 from functional.sparse_adam import FunctionalSparseAdam
@@ -41,6 +42,8 @@ __all__ = [
     "FunctionalAdafactor",
     "FunctionalSparseAdam",
     "FunctionalMuon",
+    "FunctionalRowWiseAdagrad",
+    "FunctionalPartialRowWiseAdam",
     "script_optimizer",
     "ScriptedOptimizer",
     "functional_optim_map",

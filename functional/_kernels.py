@@ -79,7 +79,8 @@ def native_op(fn: _F) -> _F:
 def new_state(p: Tensor, spec: StateSpec) -> Dict[str, Tensor]:
     """A fresh state entry for ``p``: ``spec.keys[k]`` holds ``spec.fills[k]``, as a 0-dim
     float32 tensor where ``spec.places[k]`` is a scalar place (the CPU, or ``p``'s device),
-    else a tensor laid out as ``p`` (torch.optim's ``memory_format=torch.preserve_format``).
+    a vector of ``p``'s rows (its dtype and device) where it is ``Place.ROW``, else a tensor
+    laid out as ``p`` (torch.optim's ``memory_format=torch.preserve_format``).
 
     Also each class's template for ``check_state`` (run on a meta parameter, at no cost: a
     scalar template on the meta device stands for the parameter's device).
@@ -88,7 +89,9 @@ def new_state(p: Tensor, spec: StateSpec) -> Dict[str, Tensor]:
     entry: Dict[str, Tensor] = {}
     cx = p.is_complex()
     for k in range(len(keys)):
-        if places[k] != Place.PARAM_LAYOUT:
+        if places[k] == Place.ROW:
+            entry[keys[k]] = torch.full((p.shape[0],), fills[k], dtype=p.dtype, device=p.device)
+        elif places[k] != Place.PARAM_LAYOUT:
             device = scalar_device(p, places[k])
             entry[keys[k]] = torch.full((), fills[k], dtype=torch.float32, device=device)
         elif cx:

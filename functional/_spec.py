@@ -26,6 +26,9 @@ class Place(enum.Enum):
     #: A 0-dim float32 tensor on the parameter's device (``step`` of a fused or capturable
     #: class; ASGD's ``eta`` and ``mu``).
     DEVICE_SCALAR = 2
+    #: One value per row of a 2-D parameter, of its dtype and device (the row-wise
+    #: optimizers' ``momentum1`` / ``momentum2``).
+    ROW = 3
 
 
 class StateSpec(NamedTuple):

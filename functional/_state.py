@@ -15,6 +15,7 @@ from torch import Tensor
 
 from functional._scripted import ScriptedOptimizer
 from functional._validation import argument_hints, check_type
+from functional.rowwise import ROW_STATE_KEYS
 
 _NOT_GROUP_KEYS = ("self", "params")
 #: Group keys that choose kernels, not the numbers: a state_dict's values are not adopted
@@ -137,6 +138,9 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
                 # Factored or per-row state (Adafactor's row_var / col_var) has its own shape;
                 # so has blockwise-quantised state, which its class's check_state checks.
                 if key in ("row_var", "col_var", "variance") or blockwise:
+                    continue
+                # One value per row (the row-wise optimizers'); their check_state checks it.
+                if key in ROW_STATE_KEYS and tuple(value.shape) == tuple(p.shape[:1]):
                     continue
                 raise ValueError(
                     f"Invalid state_dict: state[{i}][{key!r}] has shape {tuple(value.shape)} "

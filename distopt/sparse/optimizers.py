@@ -1,4 +1,7 @@
-"""Row-sparse optimizers over ShardedEmbeddings: torch.optim's SGD, Adagrad and SparseAdam.
+"""Row-sparse optimizers over ShardedEmbeddings: torch.optim's SGD, Adagrad and SparseAdam,
+and fbgemm's row-wise Adagrad and partial row-wise Adam (``RowWiseAdagrad``,
+``PartialRowWiseAdam``: their functional classes, which no torch.optim class stands for,
+compiled on the owners; their state_dict keyed by table and global row).
 
 Each is a :class:`distopt.DistributedOptimizer` over the embeddings' shards, so every owner
 updates its own shard, in parallel, with distopt's compiled functional optimizer: the
@@ -57,7 +60,7 @@ step. Clipping (``clip_grad_norm_``) before ``step`` sees the summed gradients.
 """
 import os
 import warnings
-from typing import Any, Dict, List, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
@@ -70,6 +73,8 @@ from distopt.optimizer import DistributedOptimizer
 from distopt.param_groups import check_groups
 from distopt.sparse import _owner
 from distopt.sparse.embedding import ShardedEmbedding, tables_with_gradient
+from distopt.sparse.partition import make_partition
+from functional import FunctionalPartialRowWiseAdam, FunctionalRowWiseAdagrad
 
 #: What ``duplicates`` may be: torch's rule (sum) or DGL's (mean).
 DUPLICATES = ("sum", "mean")
@@ -429,3 +434,199 @@ class SparseAdam(_SparseOptimizer):
         super().__init__(
             embeddings, duplicates, lr=lr, betas=betas, eps=eps, maximize=maximize
         )
+
+
+class _RowWiseOptimizer(_SparseOptimizer):
+    """What the row-wise classes share: their functional class compiled on the owners (no
+    torch.optim class stands for it), and a state_dict keyed by table and global row, the
+    same under every partition (see ``state_dict``)."""
+
+    def _functional_stand_in(self, optimizer_class: type) -> Optional[type]:
+        """The functional class itself (``_torch_class`` is one)."""
+        return optimizer_class
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The state keyed by table, whatever the partition: ``{"state": {table: {"step":
+        ..., key: tensor with one row per global row of the table}}, "param_groups":
+        [{..., "params": [0, 1, ...]}]}`` (one index per table). Loads into the same tables
+        partitioned any other way, over any owners (``load_state_dict``). torch's
+        state-dict hooks see the owners' state (one entry per shard) before it is keyed so.
+
+        Raises:
+            DistributedOptimizerError: some owners failed or could not be reached.
+        """
+        sharded = DistributedOptimizer.state_dict(self)
+        state: Dict[int, Dict[str, Any]] = {}
+        for t, (emb, indices) in enumerate(zip(self.embeddings, self._table_params)):
+            entries = [sharded["state"].get(i) for i in indices]
+            if any(entry is not None for entry in entries):
+                state[t] = _table_state(emb, entries)
+        group = dict(sharded["param_groups"][0])
+        group["params"] = list(range(len(self.embeddings)))
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state_dict of ``state_dict``'s form, saved under any partition: each
+        owner gets the rows its shard holds now.
+
+        Raises:
+            ValueError: not one entry per table, or a table's state of another number of
+                rows, naming the table; before anything changes. And DistributedOptimizer's
+                errors.
+        """
+        check_groups(self.param_groups, self._built)
+        DistributedOptimizer.load_state_dict(self, self._sharded(state_dict))
+
+    def _sharded(self, state_dict: Any) -> Dict[str, Any]:
+        """``state_dict`` (keyed by table) as the owners' state, one entry per shard."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"Invalid state_dict: {got!r} (expected a dict with 'state' and "
+                f"'param_groups', keyed by table as {type(self).__name__}.state_dict gives it)"
+            )
+        groups = state_dict["param_groups"]
+        tables = list(range(len(self.embeddings)))
+        if len(groups) != 1 or list(groups[0].get("params", [])) != tables:
+            raise ValueError(
+                f"Invalid state_dict: param_groups {[g.get('params') for g in groups]!r} "
+                f"(expected one group over the tables, params {tables!r})"
+            )
+        state: Dict[int, Dict[str, Any]] = {}
+        for t, entry in state_dict["state"].items():
+            if t not in tables or not isinstance(entry, dict):
+                raise ValueError(f"Invalid state_dict: state[{t!r}] (expected a table of {tables!r})")
+            emb = self.embeddings[t]
+            rows = _global_rows(emb)
+            for k, i in enumerate(self._table_params[t]):
+                state[i] = {key: _shard_of(value, rows[k], emb, t, key)
+                            for key, value in entry.items()}
+        group = dict(groups[0])
+        group["params"] = [i for indices in self._table_params for i in indices]
+        return {"state": state, "param_groups": [group]}
+
+
+def _global_rows(emb: ShardedEmbedding) -> List[torch.Tensor]:
+    """The global rows each shard of ``emb`` holds, in owner order."""
+    partition = make_partition(emb.partition, emb.num_embeddings, emb.owners)
+    return [partition.global_rows(k) for k in range(len(emb.owners))]
+
+
+def _table_state(emb: ShardedEmbedding, entries: List[Any]) -> Dict[str, Any]:
+    """The state of one table from its shards' entries: ``step`` as the shards keep it (a
+    table's count is every shard's), row state in global row order."""
+    first = next(entry for entry in entries if entry is not None)
+    rows = _global_rows(emb)
+    table: Dict[str, Any] = {}
+    for key, value in first.items():
+        if key == "step" or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            table[key] = value
+            continue
+        full = value.new_zeros((emb.num_embeddings, *value.shape[1:]))
+        for k, entry in enumerate(entries):
+            if entry is not None:
+                full.index_copy_(0, rows[k], entry[key])
+        table[key] = full
+    return table
+
+
+def _shard_of(value: Any, rows: torch.Tensor, emb: ShardedEmbedding, t: int, key: str) -> Any:
+    """One shard's part of a table's saved state ``value`` (a step count as it is)."""
+    if key == "step" or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.shape[0] != emb.num_embeddings:
+        raise ValueError(
+            f"Invalid state_dict: state[{t}][{key!r}] has {value.shape[0]} rows (expected "
+            f"{emb.num_embeddings}, the rows of table {t})"
+        )
+    return value.index_select(0, rows)
+
+
+class RowWiseAdagrad(_RowWiseOptimizer):
+    r"""Row-wise Adagrad on the rows each step looked up: fbgemm's ``EXACT_ROWWISE_ADAGRAD``.
+
+    One float of state per row, ``momentum1``, the running sum of the row's mean squared
+    gradient; see :class:`functional.FunctionalRowWiseAdagrad` for the rule. On float32
+    tables the result equals fbgemm-gpu-cpu 1.8.0's CPU step bit for bit (weights and
+    ``momentum1``, every ``weight_decay_mode``; measured in the tests). The gradient of a
+    row looked up several times in a step is the sum of its lookups (fbgemm's "exact"),
+    or their mean with ``duplicates="mean"``.
+
+    ``step`` counts the table's steps (checkpointed; the rule does not read it).
+    ``state_dict`` is keyed by table and global row, the same under every partition, and
+    loads into the tables partitioned any other way (``save`` / ``load`` write each owner's
+    shard and keep to one partition, as the other sparse classes).
+
+    Args:
+        embeddings: the tables to train (one ShardedEmbedding or a list).
+        lr: learning rate, >= 0.
+        eps: term added to the denominator, >= 0.
+        weight_decay: weight decay factor, >= 0.
+        weight_decay_mode: ``"none"``, ``"l2"`` (added to the gradient before its mean
+            square, as fbgemm's L2) or ``"decouple"`` (the row shrunk by
+            ``lr * weight_decay``, fbgemm's DECOUPLE).
+        duplicates: ``"sum"`` (fbgemm's rule) or ``"mean"``.
+
+    Raises:
+        TypeError: an item of ``embeddings`` is not a ShardedEmbedding.
+        ValueError: a bad argument (naming it and its value), before any owner is
+            contacted.
+        DistributedOptimizerError: some owners failed to create their optimizer.
+    """
+
+    _torch_class = FunctionalRowWiseAdagrad
+
+    def __init__(
+        self,
+        embeddings: Embeddings,
+        lr: float = 1e-2,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        weight_decay_mode: str = "none",
+        *,
+        duplicates: str = "sum",
+    ) -> None:
+        super().__init__(embeddings, duplicates, lr=lr, eps=eps, weight_decay=weight_decay,
+                         weight_decay_mode=weight_decay_mode)
+
+
+class PartialRowWiseAdam(_RowWiseOptimizer):
+    r"""Partial row-wise Adam on the rows each step looked up: fbgemm's ``PARTIAL_ROWWISE_ADAM``.
+
+    The first moment per element (``momentum1``), the second per row (``momentum2``, the
+    mean of the row's squared gradient), bias corrections from the table's step count, and
+    fbgemm's weight decay (inside the learning rate, on the rows stepped); see
+    :class:`functional.FunctionalPartialRowWiseAdam` for the rule. fbgemm-gpu-cpu 1.8.0 has
+    no CPU step for it (its constructor refuses the optimizer on the CPU): the arithmetic
+    follows its CUDA kernel's source. State, ``state_dict`` and ``duplicates`` as
+    :class:`RowWiseAdagrad`.
+
+    Args:
+        embeddings: the tables to train (one ShardedEmbedding or a list).
+        lr: learning rate, >= 0.
+        betas: decay rates of the two moments, each in [0, 1).
+        eps: term added to the denominator, >= 0.
+        weight_decay: weight decay factor, >= 0.
+        duplicates: ``"sum"`` (fbgemm's rule) or ``"mean"``.
+
+    Raises:
+        TypeError: an item of ``embeddings`` is not a ShardedEmbedding.
+        ValueError: a bad argument (naming it and its value), before any owner is
+            contacted.
+        DistributedOptimizerError: some owners failed to create their optimizer.
+    """
+
+    _torch_class = FunctionalPartialRowWiseAdam
+
+    def __init__(
+        self,
+        embeddings: Embeddings,
+        lr: float = 1e-2,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        duplicates: str = "sum",
+    ) -> None:
+        super().__init__(embeddings, duplicates, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay)
