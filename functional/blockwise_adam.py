@@ -564,15 +564,37 @@ class _BlockwiseAdam(torch.optim.Optimizer):
         check_arguments(lr, betas, eps, weight_decay, block_size, min_8bit_size)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults)
-        for g, group in enumerate(self.param_groups):
-            for k, p in enumerate(group["params"]):
-                problem = param_problem(p)
-                if problem:
-                    raise ValueError(
-                        f"Invalid params: param_groups[{g}]['params'][{k}] is {problem}"
-                        .replace("blockwise Adam", name)
-                    )
+        super().__init__(params, defaults)  # each group checked by add_param_group
+        self._codes = code_books(self.blockwise_bits)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch.optim's, then the group's own settings checked as the constructor checks
+        its arguments (a group's ``block_size``, ``lr``, ``amsgrad``, ...: a bad one raises
+        ValueError naming the group, and the group is not added)."""
+        super().add_param_group(param_group)
+        g, group = len(self.param_groups) - 1, self.param_groups[-1]
+        name = type(self).__name__
+        try:
+            if group["amsgrad"]:
+                raise ValueError(f"Invalid amsgrad: {group['amsgrad']!r} (expected False: "
+                                 f"{name} keeps no max of exp_avg_sq)")
+            check_arguments(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                            group["block_size"], group["min_8bit_size"])
+        except ValueError as exc:
+            self.param_groups.pop()
+            raise ValueError(f"param_groups[{g}]: {exc}") from None
+        for k, p in enumerate(group["params"]):
+            problem = param_problem(p)
+            if problem:
+                self.param_groups.pop()
+                raise ValueError(
+                    f"Invalid params: param_groups[{g}]['params'][{k}] is {problem}"
+                    .replace("blockwise Adam", name)
+                )
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """torch.optim's (copy.deepcopy, pickle), and the code books, which it leaves out."""
+        super().__setstate__(state)
         self._codes = code_books(self.blockwise_bits)
 
     def _group_step(self, group: Dict[str, Any]) -> None:

@@ -260,3 +260,37 @@ def test_parameters_off_the_cpu_refused_by_name():
                    torch.nn.Parameter(torch.zeros(3, device="meta"))])
     with pytest.raises(ValueError, match=r"params\[0\]: on meta"):
         FunctionalAdamW8bit([torch.zeros(3, device="meta")])
+
+
+def test_deepcopy_and_pickle_step_on_alike():
+    import pickle
+
+    m = _model()
+    opt = AdamW8bit(m.parameters(), lr=1e-2)
+    _train(m, opt, 1)
+    twin = copy.deepcopy({"model": m, "opt": opt})  # keeps the parameters' identity
+    thawed = pickle.loads(pickle.dumps({"model": m, "opt": opt}))
+    _train(m, opt, 2)
+    for other in (twin, thawed):
+        _train(other["model"], other["opt"], 2)
+        assert torch.equal(torch.cat([p.flatten() for p in other["model"].parameters()]),
+                           torch.cat([p.flatten() for p in m.parameters()]))
+
+
+@pytest.mark.parametrize("group,match", [
+    ({"block_size": 3}, r"param_groups\[1\]: Invalid block_size: 3"),
+    ({"lr": -1.0}, r"param_groups\[1\]: Invalid lr: -1.0"),
+    ({"amsgrad": True}, r"param_groups\[1\]: Invalid amsgrad: True"),
+    ({"min_8bit_size": -5}, r"param_groups\[1\]: Invalid min_8bit_size: -5"),
+])
+def test_param_group_settings_checked_like_arguments(group, match):
+    """A group's own settings, in the constructor's list of groups or in add_param_group
+    (an amsgrad=True group would step without amsgrad, an odd block_size fail in the
+    kernel at the first step): refused by name, nothing added."""
+    a, b = torch.nn.Parameter(torch.zeros(5000)), torch.nn.Parameter(torch.zeros(5000))
+    with pytest.raises(ValueError, match=match):
+        AdamW8bit([{"params": [a]}, {"params": [b], **group}])
+    opt = AdamW8bit([a])
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [b], **group})
+    assert len(opt.param_groups) == 1
