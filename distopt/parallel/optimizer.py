@@ -346,7 +346,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, Joinable):
             return _state.state_dict(engine)  # nothing to gather: no collective
         consolidated = engine.consolidated
         if consolidated is not None and consolidated[0] == engine.status.generation:
-            return consolidated[1]
+            return _state.fresh_containers(consolidated[1])
         when = ("" if consolidated is None else
                 " (the state it consolidated last is out of date: a step or a load came since)")
         raise RuntimeError(

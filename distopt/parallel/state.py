@@ -98,6 +98,20 @@ def compiled_state_dict(units: CompiledUnits, param_groups: List[Dict[str, Any]]
 # ---------------------------------------------------------------- DataParallelOptimizer
 
 
+def fresh_containers(value: Any) -> Any:
+    """``value``'s dicts, lists and tuples copied, everything else (tensors) shared, as
+    torch.optim's ``state_dict()`` hands out new containers each call: the consolidated
+    state a sharded ``state_dict()`` returns stays as gathered when its caller rewrites
+    what it was handed (torch's ``get_state_dict`` renames the parameter ids in place)."""
+    if isinstance(value, dict):
+        return {k: fresh_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fresh_containers(v) for v in value]
+    if type(value) is tuple:  # a NamedTuple kept as it is
+        return tuple(fresh_containers(v) for v in value)
+    return value
+
+
 def state_dict(engine: Any, gather: bool = True) -> Dict[str, Any]:
     """The optimizer's ``state_dict``, its hooks run (``make_state_dict``)."""
     check_groups(engine.param_groups, engine.built)

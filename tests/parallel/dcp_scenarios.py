@@ -92,6 +92,7 @@ def save_on_two(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         if rank == 0:
             torch.save(whole, os.path.join(where, "whole.pt"))
         files = {f: os.path.getsize(os.path.join(where, f)) for f in os.listdir(where)}
+        kept = _consolidated_kept(model, opt, whole)
         own = opt.state_bytes()
         mse_steps(model, opt, batches[SAVED_AT:])
         straight = flat_params(model)
@@ -109,11 +110,26 @@ def save_on_two(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                      "whole": sum(v.numel() * v.element_size() for e in whole["state"].values()
                                   for v in e.values()),
                      "same_state": same, "equal": torch.equal(flat_params(model), straight),
+                     "kept": kept,
                      "dtypes": sorted({str(v.dtype) for e in whole["state"].values()
                                        for v in e.values()})}
     out["corrupt"] = {"file": _corrupt_copy(rank, path), **_refused(rank, path)}
     out["torch_path"] = _torch_path(rank, os.path.join(path, "torch_path"))
     return out
+
+
+def _consolidated_kept(model: torch.nn.Module, opt: Any, whole: Dict[str, Any]) -> Any:
+    """Sharded: torch's ``get_state_dict`` after ``consolidate_state_dict`` renames the
+    parameter ids to names in the dict ``opt.state_dict()`` handed it; a later
+    ``opt.state_dict()`` must still give the ids (None unsharded)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if opt.shard is None:
+        return None
+    ids = (sorted(whole["state"]), [list(g["params"]) for g in whole["param_groups"]])
+    get_state_dict(model, opt)
+    again = opt.state_dict()
+    return (sorted(again["state"]), [list(g["params"]) for g in again["param_groups"]]) == ids
 
 
 def _torch_path(rank: int, where: str) -> Dict[str, Any]:

@@ -170,6 +170,8 @@ def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, 
     for rank in (0, 1):
         got = dcp_saved[1][rank][name]
         assert got["same_state"] and got["equal"], got
+        # (saved sharded) a later state_dict() unchanged by what get_state_dict rewrote
+        assert got["kept"] is True, got["kept"]
 
 
 @pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
