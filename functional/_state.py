@@ -194,11 +194,15 @@ def functional_state(
     obj: Any, torch_state: Dict[Any, Dict[str, Any]], copy: bool = True
 ) -> Dict[int, Dict[str, Tensor]]:
     """torch.optim state entries as a functional optimizer keeps them: ``step`` as a float32
-    tensor, other floating-point tensors cast to their parameter's dtype and device where the
-    parameter is real (torch.optim's load_state_dict casts the same way; a complex parameter's
-    real scalars, such as NAdam's ``mu_product``, stay real); copies, unless ``copy`` is False (to
-    check a state without a second one in memory)."""
+    tensor, other floating-point tensors cast to their parameter's dtype (not a blockwise
+    optimizer's) and device where the parameter is real (torch.optim's load_state_dict
+    casts the same way; a complex parameter's real scalars, such as NAdam's
+    ``mu_product``, stay real); copies, unless ``copy`` is False (to check a state without
+    a second one in memory)."""
     state: Dict[int, Dict[str, Tensor]] = {}
+    # Blockwise-quantised state keeps its dtypes (float32 scales and small parameters'
+    # float32 moments beside a bfloat16 parameter), as the class's own load_state_dict does.
+    cast = not bool(getattr(obj, "blockwise", False))
     for i, entry in torch_state.items():
         p = obj.params[int(i)]
         entry = {k: _from_torch_value(k, v) for k, v in entry.items()}
@@ -213,7 +217,7 @@ def functional_state(
         state[int(i)] = {
             k: (v.detach().to(torch.float32) if k == "step" else
                 v.detach().to(device=p.device, dtype=p.dtype)
-                if v.is_floating_point() and p.is_floating_point() else
+                if cast and v.is_floating_point() and p.is_floating_point() else
                 v.detach().to(device=p.device) if p.is_complex() and v.is_complex() else
                 v.detach())
             for k, v in entry.items()

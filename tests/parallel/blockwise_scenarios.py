@@ -47,9 +47,10 @@ def batch(rank: int, step: int):
 
 def train(model, opt, rank: int, first: int = 0, steps: int = STEPS, wrapped=None) -> None:
     net = wrapped if wrapped is not None else model
+    dtype = next(model.parameters()).dtype
     for step in range(first, first + steps):
         x, y = batch(rank, step)
-        torch.nn.functional.cross_entropy(net(x), y).backward()
+        torch.nn.functional.cross_entropy(net(x.to(dtype)).float(), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -129,3 +130,29 @@ def mixed_blocks(rank: int, world_size: int) -> str:
     except ValueError as exc:
         return str(exc)
     return "constructed"
+
+
+def bfloat16(rank: int, world_size: int) -> Dict[str, Any]:
+    """A bfloat16 model (its biases and LayerNorm keep float32 moments, its weights float32
+    scales), AdamW8bit in two groups: DataParallelOptimizer unsharded and "flat" against
+    DDP + the class, through the buckets cut again at the first step (the state carried
+    over in torch.optim's format) and a load_state_dict into a new optimizer."""
+    model = make_model().to(torch.bfloat16)
+    ddp = DDP(model)
+    ref = AdamW8bit(groups(model), lr=1e-2)
+    train(model, ref, rank, wrapped=ddp)
+    want, want_state = flat_params(model), ref.state_dict()["state"]
+    out: Dict[str, Any] = {}
+    for shard in (None, "flat"):
+        model = make_model().to(torch.bfloat16)
+        opt = DataParallelOptimizer(AdamW8bit, groups(model), lr=1e-2, shard=shard)
+        train(model, opt, rank)
+        state = whole_state_dict(opt)
+        again = DataParallelOptimizer(AdamW8bit, groups(model), lr=1e-2, shard=shard)
+        again.load_state_dict(state)
+        out[str(shard)] = [torch.equal(flat_params(model), want),
+                           identical(state["state"], want_state),
+                           identical(whole_state_dict(again)["state"], want_state)]
+        opt.close()
+        again.close()
+    return out

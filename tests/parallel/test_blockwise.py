@@ -51,3 +51,10 @@ def test_state_saved_on_two_ranks_loads_on_three(worlds, saved):
 def test_flat_refuses_groups_of_different_block_sizes(worlds):
     for message in worlds.run(scenarios.mixed_blocks, 2):
         assert "Invalid block_size: [128, 256]" in message
+
+
+def test_bfloat16_models_keep_float32_scales_and_moments(worlds):
+    """torch.optim's format casts floating state to the parameter's dtype; the buckets cut
+    again at the first step and load_state_dict carry the state in it, and must not."""
+    for rank, res in enumerate(worlds.run(scenarios.bfloat16, 2)):
+        assert res == {"None": [True, True, True], "flat": [True, True, True]}, (rank, res)
