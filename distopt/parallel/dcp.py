@@ -62,13 +62,29 @@ class StateChunk(Tensor):
     offset: int
     #: On load: laid out as its piece once read (torch.optim's state), else kept 1-D.
     shaped: bool = True
+    #: On save: the optimizer's status and the generation (steps and loads) it was taken at.
+    taken: Optional[Tuple[Any, int]] = None
 
     @staticmethod
-    def of(local: Tensor, entries: int, offset: int) -> "StateChunk":
-        """``local`` (1-D) as entries ``[offset, offset + local.numel())`` of ``entries``."""
+    def of(local: Tensor, entries: int, offset: int,
+           taken: Optional[Tuple[Any, int]] = None) -> "StateChunk":
+        """``local`` (1-D) as entries ``[offset, offset + local.numel())`` of ``entries``;
+        ``taken``: (status, generation) of a live state handed to ``dcp.save``."""
         chunk = local.as_subclass(StateChunk)
-        chunk.entries, chunk.offset = entries, offset
+        chunk.entries, chunk.offset, chunk.taken = entries, offset, taken
         return chunk
+
+    def check_fresh(self, fqn: str) -> None:
+        """RuntimeError where the optimizer stepped or loaded since ``dcp_state_dict()``
+        handed this live state out: DCP would write the newer state under the CRC-32s
+        recorded before it, and the checkpoint would be refused only at its load."""
+        if self.taken is not None and self.taken[0].generation != self.taken[1]:
+            raise RuntimeError(
+                f"Invalid dcp.save of {fqn!r}: the optimizer stepped or loaded since "
+                f"opt.dcp_state_dict() handed out its live state (generation "
+                f"{self.taken[1]}, now {self.taken[0].generation}), so the checkpoint "
+                f"would hold the newer state under the older CRC-32s (expected "
+                f"opt.dcp_state_dict() again, right before dcp.save)")
 
     def local(self) -> Tensor:
         """The chunk's own entries, a plain tensor (the same memory)."""
@@ -83,6 +99,7 @@ class StateChunk(Tensor):
                                     sizes=torch.Size([self.local().numel()]))
 
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
+        self.check_fresh(fqn)
         chunk = self._chunk()
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
@@ -96,6 +113,7 @@ class StateChunk(Tensor):
         if index.offset is not None and tuple(index.offset) != (self.offset,):
             raise ValueError(f"Invalid index: {index!r} (expected offset ({self.offset},) of "
                              f"{index.fqn!r})")
+        self.check_fresh(index.fqn)
         return self.local()
 
 
@@ -194,7 +212,8 @@ def dcp_state_dict(engine: Any) -> Dict[str, Any]:
             local = value.detach().reshape(-1) if k is not None else value.detach()
             offset = 0 if k is None else start // k
             entries = None if k is None else -(-numel // k)
-            out[key] = local if k is None else StateChunk.of(local, entries, offset)
+            out[key] = local if k is None else StateChunk.of(
+                local, entries, offset, (engine.status, engine.status.generation))
             # Laid out as its piece (torch.optim's state) or 1-D (codes, scales): a flat
             # piece's state is 1-D either way; quantised codes are not the parameter's dtype.
             shaped = tuple(value.shape) == tuple(view) and value.dtype == param.dtype

@@ -96,6 +96,7 @@ def save_on_two(rank: int, world_size: int, path: str) -> Dict[str, Any]:
         own = opt.state_bytes()
         mse_steps(model, opt, batches[SAVED_AT:])
         straight = flat_params(model)
+        stale = _stale_save(model, opt, batches, where + "-stale") if name == "adamw8bit" else None
         opt.close()
         model = _model()
         resumed = _make(name, model, shard)
@@ -110,12 +111,26 @@ def save_on_two(rank: int, world_size: int, path: str) -> Dict[str, Any]:
                      "whole": sum(v.numel() * v.element_size() for e in whole["state"].values()
                                   for v in e.values()),
                      "same_state": same, "equal": torch.equal(flat_params(model), straight),
-                     "kept": kept,
+                     "kept": kept, "stale": stale,
                      "dtypes": sorted({str(v.dtype) for e in whole["state"].values()
                                        for v in e.values()})}
     out["corrupt"] = {"file": _corrupt_copy(rank, path), **_refused(rank, path)}
     out["torch_path"] = _torch_path(rank, os.path.join(path, "torch_path"))
     return out
+
+
+def _stale_save(model: torch.nn.Module, opt: Any, batches: List[Any], where: str) -> Any:
+    """``dcp.save`` of a ``dcp_state_dict()`` taken before a step (its tensors the live
+    state): refused at the save on every rank, naming why, no checkpoint written (else the
+    newer state would lie under the older CRC-32s, refused only at the load)."""
+    sd = {"optim": opt.dcp_state_dict()}
+    mse_steps(model, opt, batches[-1:])
+    try:
+        dcp.save(sd, checkpoint_id=where)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        return ("Invalid dcp.save of 'optim.state." in str(exc)
+                and not os.path.exists(os.path.join(where, ".metadata")))
+    return "saved"
 
 
 def _consolidated_kept(model: torch.nn.Module, opt: Any, whole: Dict[str, Any]) -> Any:

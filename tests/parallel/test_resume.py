@@ -172,6 +172,8 @@ def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, 
         assert got["same_state"] and got["equal"], got
         # (saved sharded) a later state_dict() unchanged by what get_state_dict rewrote
         assert got["kept"] is True, got["kept"]
+        # a dcp_state_dict() taken before a step refused at dcp.save
+        assert got["stale"] is (True if name == "adamw8bit" else None), got["stale"]
 
 
 @pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
