@@ -25,7 +25,15 @@ import torch
 from torch import Tensor
 
 from functional._compile import ensure_scripted
-from functional._common import index_of, lr_float, one_gradient, pair, scalar, unknown_hyperparameter
+from functional._common import (
+    dtype_name,
+    index_of,
+    lr_float,
+    one_gradient,
+    pair,
+    scalar,
+    unknown_hyperparameter,
+)
 from functional._kernels import check_length, refuse
 from functional._validation import (
     check_at_least,
@@ -132,8 +140,8 @@ def state_problem(
                 return "'step' is not a one-element floating-point tensor"
         elif got.dtype != like.dtype or got.shape != like.shape:
             return (
-                "'" + key + "' is " + str(got.dtype) + " of shape " + str(list(got.shape))
-                + ", expected " + str(like.dtype) + " of shape " + str(list(like.shape))
+                "'" + key + "' is " + dtype_name(got.dtype) + " of shape " + str(list(got.shape))
+                + ", expected " + dtype_name(like.dtype) + " of shape " + str(list(like.shape))
             )
     return ""
 
@@ -597,6 +605,20 @@ class _BlockwiseAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         self._codes = code_books(self.blockwise_bits)
 
+    def _fixed_layout(self, g: int, group: Dict[str, Any]) -> None:
+        """A group's ``block_size`` and ``min_8bit_size`` lay its state out: fixed once it
+        has state (ValueError naming the change, before anything steps)."""
+        layouts = self.__dict__.setdefault("_layouts", {})
+        now = (int(group["block_size"]), int(group["min_8bit_size"]))
+        before = layouts.setdefault(g, now)
+        for k, name in enumerate(("block_size", "min_8bit_size")):
+            if now[k] != before[k]:
+                raise ValueError(
+                    f"Invalid param_groups[{g}]['{name}']: {now[k]} (it was {before[k]} when "
+                    f"the group's state was made, which it lays out; set it before the first "
+                    f"step, or load a state made with it)"
+                )
+
     def _group_step(self, group: Dict[str, Any]) -> None:
         params: List[Tensor] = list(group["params"])
         gradients: List[Optional[Tensor]] = [p.grad for p in params]
@@ -620,6 +642,8 @@ class _BlockwiseAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for g, group in enumerate(self.param_groups):
+            self._fixed_layout(g, group)
         for group in self.param_groups:
             self._group_step(group)
         return loss
@@ -629,7 +653,8 @@ class _BlockwiseAdam(torch.optim.Optimizer):
         and the codes, scales and float32 moments kept as saved (torch.optim would cast the
         floating ones to a bfloat16 / float16 parameter's dtype)."""
         groups = state_dict.get("param_groups", [])
-        saved = state_dict.get("state", {})
+        saved = {i: _tensor_steps(i, entry) for i, entry in state_dict.get("state", {}).items()}
+        state_dict = {**state_dict, "state": saved}
         ids = [i for g in groups for i in g.get("params", [])]
         params = [p for g in self.param_groups for p in g["params"]]
         if len(ids) == len(params):
@@ -645,11 +670,29 @@ class _BlockwiseAdam(torch.optim.Optimizer):
                 if problem:
                     raise ValueError(f"Invalid state_dict: the state of parameter {i}: {problem}")
         super().load_state_dict(state_dict)
+        self.__dict__["_layouts"] = {}  # the loaded groups' block sizes lay the state out
         if len(ids) == len(params):
             for i, p in zip(ids, params):
                 for key, value in saved.get(i, {}).items():
                     if key != "step":
                         self.state[p][key] = value.to(device=p.device, copy=True)
+
+
+def _tensor_steps(i: Any, entry: Any) -> Dict[str, Any]:
+    """A saved entry with a number ``step`` as a float32 tensor (torch.optim's older form),
+    or ValueError naming what is not a tensor."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"Invalid state_dict: the state of parameter {i} is "
+                         f"{type(entry).__name__} (expected a dict)")
+    out = dict(entry)
+    step = out.get("step")
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        out["step"] = torch.tensor(float(step), dtype=torch.float32)
+    for key, value in out.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(f"Invalid state_dict: state[{i}][{key!r}] is "
+                             f"{type(value).__name__} (expected a Tensor)")
+    return out
 
 
 class Adam8bit(_BlockwiseAdam):

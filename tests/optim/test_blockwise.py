@@ -294,3 +294,23 @@ def test_param_group_settings_checked_like_arguments(group, match):
     with pytest.raises(ValueError, match=match):
         opt.add_param_group({"params": [b], **group})
     assert len(opt.param_groups) == 1
+
+
+def test_layout_settings_fixed_once_a_group_has_state_and_old_step_numbers_load():
+    m = _model()
+    opt = AdamW8bit(m.parameters())
+    _train(m, opt, 1)
+    opt.param_groups[0]["block_size"] = 128
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['block_size'\]: 128 \(it was 256"):
+        _train(m, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    opt.param_groups[0]["block_size"] = 256
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = 1  # torch.optim's older checkpoints keep a number
+    other = AdamW8bit(_model().parameters())
+    other.load_state_dict(sd)
+    assert float(other.state_dict()["state"][0]["step"]) == 1.0
+    sd["state"][1]["exp_avg"] = sd["state"][1]["exp_avg"].to(torch.int32)
+    with pytest.raises(ValueError, match=r"'exp_avg' is torch.int32 of shape"):
+        other.load_state_dict(sd)
