@@ -348,11 +348,42 @@ class CompiledStateView(Mapping):
         state = self._by_index()
         if i is None or i not in state:
             raise KeyError(param)
-        return dict(state[i])
+        return _ReadOnlyEntry(state[i])
 
     def __iter__(self) -> Iterator[Any]:
         return iter([self._params[i] for i in sorted(self._by_index())])
 
     def __len__(self) -> int:
         return len(self._by_index())
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
+        """A plain dict, as torch.optim's ``state`` copies (the view holds threads)."""
+        import copy
+        return {copy.deepcopy(p, memo): copy.deepcopy(dict(e), memo) for p, e in self.items()}
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict((p, dict(e)) for p, e in self.items()),))
+
+
+class _ReadOnlyEntry(dict):
+    """One parameter's entry of ``CompiledStateView``: its tensors are the compiled steps'
+    own (written in place, they change the state), but a key set or removed would change
+    nothing, so it raises instead of doing nothing. Copies are plain dicts."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "Invalid change of opt.state[p]: the state of a compiled DataParallelOptimizer "
+            "is held by its compiled steps, and opt.state is a read-only view of it "
+            "(expected opt.load_state_dict(...) to replace it, or an in-place write into "
+            "one of its tensors)"
+        )
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[str, Any]:
+        import copy
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
 

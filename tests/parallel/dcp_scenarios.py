@@ -254,3 +254,29 @@ def _resumed_alike(name: str, where: str, whole: Dict[str, Any], shard: Any, gro
         opt.close()
     return {"same_state": identical(runs[0][0], whole) and identical(runs[1][0], whole),
             "equal": torch.equal(runs[0][1], runs[1][1]), "own": runs[0][2]}
+
+
+def state_view(rank: int, world_size: int) -> Dict[str, Any]:
+    """``opt.state`` of a compiled optimizer: a view whose entries refuse a key set (which
+    would change nothing) and copy as plain dicts; an in-place tensor write lands."""
+    import copy
+    import pickle
+
+    model = _model()
+    opt = _make("adam", model, None)
+    mse_steps(model, opt, _batches(rank)[:1])
+    p = next(model.parameters())
+    out: Dict[str, Any] = {"keys": sorted(opt.state[p])}
+    try:
+        opt.state[p]["step"] = torch.tensor(9.0)
+        out["set"] = "accepted"
+    except TypeError as exc:
+        out["set"] = str(exc)
+    copied = copy.deepcopy(opt.state[p])
+    out["copies"] = type(copied) is dict and type(pickle.loads(pickle.dumps(opt.state[p]))) is dict
+    whole = copy.deepcopy(opt.state)
+    out["copies"] = out["copies"] and type(whole) is dict and len(whole) == len(list(model.parameters()))
+    opt.state[p]["exp_avg"].zero_()
+    out["in_place"] = float(opt.state_dict()["state"][0]["exp_avg"].abs().sum())
+    opt.close()
+    return out

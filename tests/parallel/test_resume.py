@@ -165,6 +165,13 @@ def test_torchs_get_state_dict_reads_the_state_without_stepping_and_resumes(dcp_
         assert got == {"untouched": True, "loaded": True, "equal": True}, (rank, got)
 
 
+def test_the_state_view_refuses_a_key_set_and_takes_in_place_writes(worlds):
+    for got in worlds.run(dcp_scenarios.state_view, 2):
+        assert got["keys"] == ["exp_avg", "exp_avg_sq", "step"]
+        assert got["set"].startswith("Invalid change of opt.state[p]")
+        assert got["copies"] and got["in_place"] == 0.0
+
+
 @pytest.mark.parametrize("name", sorted(dcp_scenarios.RUNS))
 def test_dcp_resume_on_the_saving_ranks_equals_the_uninterrupted_run(dcp_saved, name):
     for rank in (0, 1):
