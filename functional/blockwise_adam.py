@@ -44,11 +44,6 @@ from functional._validation import (
     hyperparameter_argument,
 )
 
-#: The state keys of a quantised parameter, and of a float32 one.
-QUANTISED_KEYS = ["step", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"]
-FLOAT_KEYS = ["step", "exp_avg", "exp_avg_sq"]
-
-
 def dynamic_code(signed: bool, exponent_bits: int, bits: int) -> Tensor:
     """The dynamic quantisation map of ``bits`` bits (Dettmers, 8-bit approximations for
     parallelism, 2016), with the values bitsandbytes and torchao give it: for each exponent
