@@ -17,16 +17,12 @@ from torch import Tensor
 
 from distopt.param_groups import same
 from functional._state import IMPLEMENTATION_KEYS, check_hyperparameter, torch_group
-from functional.rowwise import ROW_STATE_KEYS
+from functional._state import own_shape
 
 __all__ = ["CheckedState", "SavedStateSpec", "check_saved_entry", "check_saved_groups",
            "check_state_dict"]
 
 #: State whose shape is its own rather than its parameter's (Adafactor's factored moments).
-_OWN_SHAPE_KEYS = ("row_var", "col_var", "variance")
-#: Blockwise-quantised state (``distopt.optim``, marked by ``exp_avg_absmax``): codes and
-#: scales have shapes of their own, which the class's own check reads.
-_BLOCKWISE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 class SavedStateSpec(NamedTuple):
@@ -202,10 +198,8 @@ def check_saved_entry(
                 )
             continue
         if (
-            value.dim() > 0 and key != "step" and key not in _OWN_SHAPE_KEYS
-            and not ("exp_avg_absmax" in entry and key in _BLOCKWISE_KEYS)
-            and value.shape != shape and value.numel() > 1
-            and not (key in ROW_STATE_KEYS and tuple(value.shape) == tuple(shape[:1]))
+            value.dim() > 0 and key != "step" and value.shape != shape and value.numel() > 1
+            and not own_shape(key, value, entry, shape)
         ):
             raise ValueError(
                 f"Invalid {what}: state[{where}][{key!r}] has shape {tuple(value.shape)} "

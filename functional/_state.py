@@ -15,6 +15,7 @@ from torch import Tensor
 
 from functional._scripted import ScriptedOptimizer
 from functional._validation import argument_hints, check_type
+from functional.blockwise_adam import QUANTISED_KEYS, is_quantised_entry
 from functional.rowwise import ROW_STATE_KEYS
 
 _NOT_GROUP_KEYS = ("self", "params")
@@ -100,6 +101,18 @@ def to_torch_state_dict(optim: Any, torch_cls: type, clone: bool = True) -> Dict
     return {"state": state, "param_groups": [group]}
 
 
+def own_shape(key: str, value: Tensor, entry: Dict[str, Any], param_shape: Any) -> bool:
+    """Whether state tensor ``entry[key]`` may have a shape other than its parameter's, its
+    class's own ``check_state`` checking it: Adafactor's factored moments, a row-wise class's
+    one value per row, a blockwise-quantised parameter's codes and scales. The one rule of
+    both checkers of saved state (this module's and ``distopt.saved_state``)."""
+    if key in ("row_var", "col_var", "variance"):
+        return True
+    if key in ROW_STATE_KEYS and tuple(value.shape) == tuple(param_shape[:1]):
+        return True
+    return key in QUANTISED_KEYS and is_quantised_entry(entry)
+
+
 def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, Any]) -> None:
     """Raise ValueError naming the first difference between ``state_dict`` and ``optim``."""
     obj = _instance(optim)
@@ -122,7 +135,6 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
             f"Invalid state_dict: param group holds {len(group['params'])} parameters "
             f"(expected {n}, numbered 0..{n - 1})"
         )
-    blockwise = bool(getattr(obj, "blockwise", False))
     for i, entry in state_dict["state"].items():
         if not 0 <= int(i) < n:
             raise ValueError(f"Invalid state_dict: state for parameter {i!r} (expected 0..{n - 1})")
@@ -134,14 +146,8 @@ def check_torch_state_dict(optim: Any, torch_cls: type, state_dict: Dict[str, An
                     f"Invalid state_dict: state[{i}][{key!r}] is {type(value).__name__} "
                     f"(expected a Tensor)"
                 )
-            if value.dim() > 0 and key != "step" and value.shape != p.shape and value.numel() > 1:
-                # Factored or per-row state (Adafactor's row_var / col_var) has its own shape;
-                # so has blockwise-quantised state, which its class's check_state checks.
-                if key in ("row_var", "col_var", "variance") or blockwise:
-                    continue
-                # One value per row (the row-wise optimizers'); their check_state checks it.
-                if key in ROW_STATE_KEYS and tuple(value.shape) == tuple(p.shape[:1]):
-                    continue
+            if (value.dim() > 0 and key != "step" and value.shape != p.shape
+                    and value.numel() > 1 and not own_shape(key, value, entry, p.shape)):
                 raise ValueError(
                     f"Invalid state_dict: state[{i}][{key!r}] has shape {tuple(value.shape)} "
                     f"(expected {tuple(p.shape)}, the shape of parameter {i})"

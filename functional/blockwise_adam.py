@@ -44,6 +44,16 @@ from functional._validation import (
     hyperparameter_argument,
 )
 
+#: The keys of a quantised parameter's state that are not laid out like it: codes (one a
+#: byte at 8 bits, two at 4) and one scale per block.
+QUANTISED_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+def is_quantised_entry(entry: Any) -> bool:
+    """Whether a saved state entry is a quantised parameter's (it has scales)."""
+    return isinstance(entry, dict) and "exp_avg_absmax" in entry
+
+
 def dynamic_code(signed: bool, exponent_bits: int, bits: int) -> Tensor:
     """The dynamic quantisation map of ``bits`` bits (Dettmers, 8-bit approximations for
     parallelism, 2016), with the values bitsandbytes and torchao give it: for each exponent

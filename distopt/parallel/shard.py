@@ -35,9 +35,10 @@ from distopt._torch import all_gather_flat
 from distopt.parallel.buckets import Bucket
 from distopt.parallel.sync import all_gather_named
 from distopt.profiling import profiler_range
+from functional.blockwise_adam import QUANTISED_KEYS, is_quantised_entry
 
 __all__ = [
-    "ALIGN", "BLOCKWISE_KEYS", "Blocks", "MODES", "SHAPED", "blocks_of", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
+    "ALIGN", "Blocks", "MODES", "SHAPED", "blocks_of", "Piece", "Shard", "attach", "check_laid_out", "cut_state",
     "gather", "gather_all", "gathered_state", "laid_out", "merge_pieces", "own_pieces_of",
     "piece_index", "split", "state_size", "step_own", "store",
 ]
@@ -47,9 +48,6 @@ ALIGN = 64
 MODES = ("param", "flat")
 #: Classes whose update of an element depends on others of its parameter (its shape).
 SHAPED = ("Adafactor", "Muon")
-#: Keys of blockwise-quantised state (``distopt.optim``): codes and one scale per block,
-#: cut at block boundaries (``Blocks``), not laid out like the elements.
-BLOCKWISE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 class Blocks(NamedTuple):
@@ -79,9 +77,6 @@ def blocks_of(optimizer_class: type, param_groups: Sequence[Dict[str, Any]]) -> 
         )
     return Blocks(int(bits), sizes[0])
 
-
-def _quantised(entry: Dict[str, Any]) -> bool:
-    return isinstance(entry, dict) and "exp_avg_absmax" in entry
 
 
 class Piece(NamedTuple):
@@ -325,7 +320,7 @@ def cut_state(
                 for k, v in entry.items()}
     out = {}
     for key, value in entry.items():
-        if blocks is not None and _quantised(entry) and key in BLOCKWISE_KEYS:
+        if blocks is not None and is_quantised_entry(entry) and key in QUANTISED_KEYS:
             out[key] = cut_blocks(key, value, c - a, d - a, blocks)
         elif isinstance(value, Tensor) and value.dim() > 0:
             if tuple(value.shape) != tuple(have_shape):
@@ -360,9 +355,9 @@ def merge_pieces(
         return parts[0][2]
     parts = sorted(parts, key=lambda t: t[0])
     out = {}
-    quantised = _quantised(parts[0][2])
+    quantised = is_quantised_entry(parts[0][2])
     for key, value in parts[0][2].items():
-        if quantised and key in BLOCKWISE_KEYS:
+        if quantised and key in QUANTISED_KEYS:
             # whole blocks in each piece: the codes and scales follow one another
             out[key] = torch.cat([e[key].reshape(-1) for _, _, e in parts])
         elif isinstance(value, Tensor) and value.dim() > 0:
@@ -452,7 +447,7 @@ def check_laid_out(opt: Any, state: Dict[int, Dict[str, Any]]) -> None:
         if i not in opt.bucketed or not isinstance(entry, dict):
             continue  # not trained here, or not an entry: the other checks name it
         shape = list(opt.bucketed[i].shape)
-        if opt.blocks is not None and _quantised(entry):
+        if opt.blocks is not None and is_quantised_entry(entry):
             _check_blocks(i, entry, opt.bucketed[i].numel(), opt.blocks)
             continue
         for key, value in entry.items():
@@ -468,7 +463,7 @@ def check_laid_out(opt: Any, state: Dict[int, Dict[str, Any]]) -> None:
 def _check_blocks(i: int, entry: Dict[str, Any], n: int, blocks: Blocks) -> None:
     """That the blockwise state of a parameter of ``n`` elements has its codes and scales."""
     codes = n if blocks.bits == 8 else -(-n // 2)
-    for key in BLOCKWISE_KEYS:
+    for key in QUANTISED_KEYS:
         value = entry.get(key)
         want = -(-n // blocks.size) if key.endswith("_absmax") else codes
         if not isinstance(value, Tensor) or value.numel() != want:

@@ -10,6 +10,7 @@ a state_dict is checked whole, every group and every entry, before anything of i
 loaded, so a refused one leaves every group as it was. The functions on
 ``DataParallelOptimizer``'s state take its engine (``distopt.parallel.engine``).
 """
+import copy
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -356,9 +357,18 @@ class CompiledStateView(Mapping):
     def __len__(self) -> int:
         return len(self._by_index())
 
+    def items(self) -> List[Tuple[Any, Dict[str, Any]]]:  # type: ignore[override]
+        """(parameter, entry) pairs, from one read of the compiled state (Mapping's own
+        would read the whole state once per parameter)."""
+        state = self._by_index()
+        return [(self._params[i], _ReadOnlyEntry(state[i])) for i in sorted(state)]
+
+    def values(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        """The entries, from one read of the compiled state."""
+        return [entry for _, entry in self.items()]
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
         """A plain dict, as torch.optim's ``state`` copies (the view holds threads)."""
-        import copy
         return {copy.deepcopy(p, memo): copy.deepcopy(dict(e), memo) for p, e in self.items()}
 
     def __reduce__(self) -> Any:
@@ -381,7 +391,6 @@ class _ReadOnlyEntry(dict):
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[str, Any]:
-        import copy
         return {k: copy.deepcopy(v, memo) for k, v in self.items()}
 
     def __reduce__(self) -> Any:

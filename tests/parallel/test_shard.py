@@ -149,7 +149,7 @@ def test_sharded_gradients_equal_flat_and_hold_a_shard(worlds, tmp_path, world_s
             assert flat["bytes"] >= results[0]["total"]
             assert ours["wire"] < 0.75 * flat["wire"], (ours["wire"], flat["wire"])
         scaled = result["scaler/True"]
-        assert scaled["scales"][2] == scaled["scales"][1] / 2  # step 1 overflowed: skipped
+        assert scaled["scales"][2] == scaled["scales"][1] / 2  # step 1 overflowed: not taken
         assert torch.equal(scaled["params"][1], scaled["params"][0])
         assert result["scaler/True"]["loaded"] and result["scaler/False"]["loaded"]
         assert_identical(result["scaler/True"]["files"], result["scaler/False"]["files"])
